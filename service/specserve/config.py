@@ -1,0 +1,218 @@
+"""Router config: the schema of the YAML document, loading, and the revision hash.
+
+One document describes the public model, the arms (draft configurations) with their weights, how
+requests stick to arms, and request limits. Its revision is a hash of the file's bytes, so the
+same file always has the same revision and a rollback restores the old revision exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ARM_NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,40}[a-z0-9])?$"
+# Keys that moved; the error for an old key names its replacement.
+RENAMED_KEYS = {"num_draft_tokens": "num_speculative_tokens", "draft_model": "model"}
+
+
+class ConfigError(ValueError):
+    """A config document that cannot be served; the message names the bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in RENAMED_KEYS.items():
+                if old in data:
+                    raise ValueError(f"`{old}` was renamed to `{new}`")
+        return data
+
+
+class ModelConfig(_Strict):
+    name: str = Field(
+        description="Public model name: what clients send as `model` and see in /v1/models."
+    )
+    source: str = Field(
+        description="What the engines load: `embedded://NAME`, a local directory or a hub id."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length (prompt + output tokens); engine default if unset."
+    )
+    accelerator: Literal["gpu", "cpu"] = Field(
+        "gpu", description="Hardware the engines run on: `gpu` (one GPU per replica) or `cpu`."
+    )
+
+
+class NoSpeculation(_Strict):
+    method: Literal["none"] = Field(description="Plain decoding, the baseline arm.")
+
+
+class NgramSpeculation(_Strict):
+    method: Literal["ngram"] = Field(description="Prompt-lookup drafting (no draft model).")
+    num_speculative_tokens: int = Field(gt=0, le=16, description="Draft tokens per step (k).")
+    prompt_lookup_max: int = Field(4, gt=0, description="Longest n-gram matched in the prompt.")
+    prompt_lookup_min: int = Field(2, gt=0, description="Shortest n-gram matched in the prompt.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> NgramSpeculation:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
+class Eagle3Speculation(_Strict):
+    method: Literal["eagle3"] = Field(
+        description="EAGLE-3 drafter; EAGLE-3.1 checkpoints (fc_norm, norm_output) use it too."
+    )
+    model: str = Field(description="Drafter checkpoint directory or hub id.")
+    num_speculative_tokens: int = Field(gt=0, le=16, description="Draft tokens per step (k).")
+
+
+Speculation = Annotated[
+    NoSpeculation | NgramSpeculation | Eagle3Speculation, Field(discriminator="method")
+]
+
+
+class ArmConfig(_Strict):
+    name: str = Field(
+        pattern=ARM_NAME_PATTERN,
+        description="Arm name: lower-case letters, digits, '.', '-'; used in metrics and headers.",
+    )
+    weight: float = Field(ge=0, description="Relative share of un-pinned traffic; 0 = none.")
+    speculative: Speculation = Field(
+        default_factory=lambda: NoSpeculation(method="none"),
+        description="The draft configuration this arm serves.",
+    )
+    replicas: int = Field(1, ge=1, description="Engine replicas of this arm.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vLLM engine arguments (e.g. dtype, enforce_eager, max_num_seqs).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the engine processes."
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_keys_owned_elsewhere(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        owned = {
+            "speculative_config": "speculative",
+            "model": "model.source",
+            "max_model_len": "model.max_model_len",
+            "served_model_name": "model.name",
+        }
+        for key, where in owned.items():
+            if key in engine:
+                raise ValueError(f"`{key}` is set by `{where}`, not under `engine`")
+        return engine
+
+    def engine_fingerprint(self, model: ModelConfig) -> str:
+        """Hash of everything that needs a new engine when it changes (not weight)."""
+        spec = {
+            "model": model.model_dump(),
+            "arm": self.model_dump(exclude={"weight"}),
+        }
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class RoutingConfig(_Strict):
+    session_header: str = Field(
+        "x-session-id",
+        description="Request header whose value pins a client session to one arm.",
+    )
+    use_user_field: bool = Field(
+        True, description="Use the OpenAI `user` field as the sticky key when no session header."
+    )
+
+
+class LimitsConfig(_Strict):
+    max_tokens: int = Field(
+        2048, gt=0, description="Largest `max_tokens` a request may ask for; more is a 400."
+    )
+    max_body_bytes: int = Field(
+        1_000_000, gt=0, description="Largest request body accepted; more is a 413."
+    )
+    request_timeout_s: float = Field(
+        600, gt=0, description="A request still running after this long is cancelled (504)."
+    )
+
+
+class RouterConfig(_Strict):
+    model: ModelConfig = Field(description="The target model every arm serves.")
+    arms: list[ArmConfig] = Field(min_length=1, description="The draft configurations compared.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Stickiness.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+
+    @field_validator("arms")
+    @classmethod
+    def _arms_valid(cls, arms: list[ArmConfig]) -> list[ArmConfig]:
+        names = [arm.name for arm in arms]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate arm names: {duplicates}")
+        if not any(arm.weight > 0 for arm in arms):
+            raise ValueError("at least one arm needs weight > 0")
+        return arms
+
+    def arm(self, name: str) -> ArmConfig | None:
+        return next((arm for arm in self.arms if arm.name == name), None)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {arm.name: arm.weight for arm in self.arms}
+
+
+class LoadedConfig(BaseModel):
+    """A validated config with the revision of the bytes it came from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    config: RouterConfig
+    revision: str
+    path: str
+
+
+def revision_of(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def parse_config(raw: bytes | str, *, source: str = "<config>") -> RouterConfig:
+    """Parse and validate one YAML document; ConfigError names the file and the bad field."""
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    config = parse_config(raw, source=str(path))
+    return LoadedConfig(config=config, revision=revision_of(raw), path=str(path))
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"`{where}`: {message}")
+    return "; ".join(problems)

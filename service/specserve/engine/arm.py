@@ -1,0 +1,65 @@
+"""Build the Ray Serve LLM application that serves one arm.
+
+Each arm is its own Serve application (`arm-<name>`), so adding, changing or removing one arm
+redeploys that arm only; the router reaches it through a deployment handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_llm_deployment
+
+from specserve.config import ArmConfig, ModelConfig
+from specserve.models import resolve_model_source
+
+ARM_APP_PREFIX = "arm-"
+# Engine defaults for every arm; the arm's own `engine` settings win.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    # Per-request acceptance in the response body lets the router attribute it to the arm.
+    "per_request_spec_decode_metrics": "summary",
+}
+
+
+def arm_app_name(arm_name: str) -> str:
+    return ARM_APP_PREFIX + arm_name
+
+
+def speculative_config(arm: ArmConfig) -> dict[str, Any] | None:
+    spec = arm.speculative
+    if spec.method == "none":
+        return None
+    return spec.model_dump()
+
+
+def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
+    engine_kwargs: dict[str, Any] = {**ENGINE_DEFAULTS, **arm.engine}
+    spec = speculative_config(arm)
+    if spec is None:
+        # vLLM refuses per-request spec-decode metrics without a draft configuration.
+        engine_kwargs.pop("per_request_spec_decode_metrics", None)
+    else:
+        engine_kwargs["speculative_config"] = spec
+    if model.max_model_len is not None:
+        engine_kwargs["max_model_len"] = model.max_model_len
+    return LLMConfig(
+        model_loading_config={
+            "model_id": model.name,
+            "model_source": resolve_model_source(model.source),
+        },
+        engine_kwargs=engine_kwargs,
+        runtime_env={"env_vars": dict(arm.env)} if arm.env else None,
+        accelerator_config={"kind": model.accelerator},
+        deployment_config={"num_replicas": arm.replicas},
+        # Pass stream chunks through one by one instead of batching them every 50 ms.
+        experimental_configs={"stream_batching_interval_ms": 0},
+        log_engine_metrics=True,
+    )
+
+
+def build_arm_app(arm: ArmConfig, model: ModelConfig) -> Application:
+    return build_llm_deployment(
+        build_llm_config(arm, model),
+        override_serve_options={"name": arm_app_name(arm.name)},
+    )

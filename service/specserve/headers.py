@@ -1,0 +1,10 @@
+"""HTTP header names, defined once (lower case, as ASGI delivers them)."""
+
+# Request: force this arm (any configured arm, even one with weight 0); unknown -> 400.
+ARM_OVERRIDE = "x-specserve-arm"
+# Response: the arm that served the request, and the config revision that routed it.
+ARM = "x-specserve-arm"
+CONFIG_REVISION = "x-specserve-config-revision"
+# Request and response: correlates a request with its log lines (Ray Serve's proxy sets it on
+# responses, reusing the client's value when there is one).
+REQUEST_ID = "x-request-id"

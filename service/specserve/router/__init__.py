@@ -1,0 +1,1 @@
+"""The router: OpenAI ingress, arm selection, streaming proxy, OpenAI errors."""

@@ -1,0 +1,239 @@
+"""The router: the OpenAI-compatible ingress deployment in front of the arms.
+
+Per request: validate (limits, model name, body schema), pick the arm (override header > sticky
+key > random by weight), forward to the arm's engine, and name the arm and config revision in the
+response headers. The config file is watched; a new valid revision changes routing at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import start_http_server
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+from specserve import headers
+from specserve.config import LoadedConfig, RouterConfig, load_config
+from specserve.engine import arm_app_name
+from specserve.metrics import OUTCOME_CLIENT_ERROR, RouterMetrics
+from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
+from specserve.router.proxy import RequestRecord, forward
+from specserve.router.selection import UnknownArmError, choose_arm
+from specserve.watch import ConfigWatcher
+
+logger = logging.getLogger(__name__)
+
+ROUTER_APP_NAME = "specserve"
+ROUTER_DEPLOYMENT_NAME = "router"
+CHAT, COMPLETIONS = "chat", "completions"
+_REQUEST_MODELS = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
+_READY_CACHE_S = 1.0
+
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+install_error_handlers(app)
+
+
+async def _read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > max_body_bytes:
+        raise OpenAIError(413, f"request body is {len(raw)} bytes; the limit is {max_body_bytes}")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "request body must be a JSON object")
+    return data
+
+
+def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tuple[Any, bool]:
+    """Check the body against the OpenAI schema and our limits; return it for the engine."""
+    model = data.get("model")
+    if model is None:
+        raise OpenAIError(400, "model: field required", param="model")
+    if model != config.model.name:
+        raise _unknown_model(model, config)
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise OpenAIError(400, f"{key} must be a positive integer, got {value!r}", param=key)
+        if value > config.limits.max_tokens:
+            raise OpenAIError(
+                400,
+                f"{key} is {value}; this deployment allows at most {config.limits.max_tokens}",
+                param=key,
+            )
+    stream_options = data.get("stream_options")
+    client_wants_usage = isinstance(stream_options, dict) and bool(
+        stream_options.get("include_usage")
+    )
+    if data.get("stream") is True and (stream_options is None or isinstance(stream_options, dict)):
+        # The final usage chunk carries the token count and the spec-decode stats.
+        data = {**data, "stream_options": {**(stream_options or {}), "include_usage": True}}
+    try:
+        body = _REQUEST_MODELS[endpoint].model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    if endpoint == CHAT:
+        # Validated message content can hold pydantic iterators that do not pickle across the
+        # Ray call; the raw JSON is equivalent and plain data.
+        body.messages = data["messages"]
+    return body, client_wants_usage
+
+
+def _unknown_model(model: Any, config: RouterConfig) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model {model!r} does not exist; this endpoint serves {config.model.name!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _model_card(config: RouterConfig) -> dict[str, Any]:
+    return {"id": config.model.name, "object": "model", "created": 0, "owned_by": "specserve"}
+
+
+# `serve.ingress` pickles the app when the class is defined, so every helper it uses must
+# already exist: the deployment class comes last.
+@serve.deployment(name=ROUTER_DEPLOYMENT_NAME, max_ongoing_requests=1000)
+@serve.ingress(app)
+class Router:
+    def __init__(self, config_path: str, metrics_port: int, config_poll_s: float) -> None:
+        self.loaded = load_config(config_path)
+        self.metrics = RouterMetrics()
+        self.metrics.set_active_config(self.loaded.revision, self.loaded.config.weights)
+        self.metrics.config_last_reload_success.set(1)
+        start_http_server(metrics_port, registry=self.metrics.registry)
+        self.handles: dict[str, DeploymentHandle] = {}
+        self.watcher = ConfigWatcher(config_path, self.loaded, self._apply, self.metrics)
+        self._watch_task = asyncio.get_event_loop().create_task(self.watcher.run(config_poll_s))
+        self._ready: tuple[float, dict[str, str]] = (0.0, {})
+        logger.info("router serving config revision %s", self.loaded.revision)
+
+    # -- config ---------------------------------------------------------------------------
+
+    def _apply(self, loaded: LoadedConfig) -> None:
+        """Swap in a new config; a reference swap, so in-flight requests are untouched."""
+        self.loaded = loaded
+        self.metrics.set_active_config(loaded.revision, loaded.config.weights)
+        for arm in set(self.handles) - set(loaded.config.weights):
+            del self.handles[arm]
+        self._ready = (0.0, {})
+
+    def _handle(self, arm: str) -> DeploymentHandle:
+        handle = self.handles.get(arm)
+        if handle is None:
+            try:
+                handle = serve.get_app_handle(arm_app_name(arm)).options(stream=True)
+            except Exception as exc:
+                raise OpenAIError(503, f"arm {arm!r} is not deployed yet") from exc
+            self.handles[arm] = handle
+        return handle
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """200 when every arm with weight > 0 is running, else 503 naming the others."""
+        statuses = await self._arm_statuses()
+        config = self.loaded.config
+        waiting = {
+            arm.name: statuses.get(arm.name, "NOT_DEPLOYED")
+            for arm in config.arms
+            if arm.weight > 0 and statuses.get(arm.name) != "RUNNING"
+        }
+        body = {"ready": not waiting, "revision": self.loaded.revision, "waiting": waiting}
+        return JSONResponse(body, status_code=503 if waiting else 200)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(self.loaded.config)]}
+
+    @app.get("/v1/models/{model}")
+    async def model(self, model: str) -> dict[str, Any]:
+        config = self.loaded.config
+        if model != config.model.name:
+            raise _unknown_model(model, config)
+        return _model_card(config)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, COMPLETIONS)
+
+    # -- request path ---------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: str) -> Response:
+        loaded = self.loaded  # one config for the whole request, even if a reload lands mid-way
+        config = loaded.config
+        data = await _read_json(request, config.limits.max_body_bytes)
+        arm = self._pick_arm(request, data, config)
+        response_headers = {
+            headers.ARM: arm,
+            headers.CONFIG_REVISION: loaded.revision,
+        }
+        record = RequestRecord(arm=arm, endpoint=endpoint)
+        try:
+            try:
+                body, client_wants_usage = _validate(data, endpoint, config)
+            except OpenAIError:
+                record.outcome = OUTCOME_CLIENT_ERROR
+                record.finish(self.metrics)
+                raise
+            return await forward(
+                self._handle(arm),
+                endpoint,
+                body,
+                record,
+                self.metrics,
+                client_wants_usage=client_wants_usage,
+                headers=response_headers,
+                timeout_s=config.limits.request_timeout_s,
+            )
+        except OpenAIError as exc:
+            exc.headers = response_headers
+            raise
+
+    def _pick_arm(self, request: Request, data: dict[str, Any], config: RouterConfig) -> str:
+        sticky_key = request.headers.get(config.routing.session_header)
+        if not sticky_key and config.routing.use_user_field and isinstance(data.get("user"), str):
+            sticky_key = data["user"]
+        try:
+            return choose_arm(
+                config.weights,
+                override=request.headers.get(headers.ARM_OVERRIDE),
+                sticky_key=sticky_key,
+            )
+        except UnknownArmError as exc:
+            raise OpenAIError(400, str(exc), param=headers.ARM_OVERRIDE, code="unknown_arm") from None
+
+    async def _arm_statuses(self) -> dict[str, str]:
+        checked_at, statuses = self._ready
+        if time.monotonic() - checked_at > _READY_CACHE_S:
+            apps = (await asyncio.to_thread(serve.status)).applications
+            statuses = {
+                arm.name: str(getattr(apps[name].status, "value", apps[name].status))
+                for arm in self.loaded.config.arms
+                if (name := arm_app_name(arm.name)) in apps
+            }
+            self._ready = (time.monotonic(), statuses)
+        return statuses

@@ -1,0 +1,43 @@
+"""Process settings from the environment: the one place `SPECSERVE_*` variables are read."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_")
+
+    config: Path = Field(
+        DEFAULT_CONFIG_PATH,
+        description="Router config YAML; in Kubernetes a file mounted from a ConfigMap.",
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "specserve",
+        description="Where prepared models and other derived artefacts are kept.",
+    )
+    host: str = Field("127.0.0.1", description="Address the OpenAI endpoint listens on.")
+    port: int = Field(8000, description="Port of the OpenAI endpoint (Ray Serve HTTP proxy).")
+    metrics_port: int = Field(9464, description="Port of the router's Prometheus endpoint.")
+    config_poll_s: float = Field(
+        1.0, gt=0, description="How often the config file is checked for a new revision."
+    )
+    ray_address: str | None = Field(
+        None, description="Join this Ray cluster instead of starting a local one."
+    )
+    ray_num_cpus: int = Field(
+        16,
+        description="Logical CPUs of a local Ray cluster. Each engine replica asks for 2, so a "
+        "2-core machine needs more logical than physical CPUs.",
+    )
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

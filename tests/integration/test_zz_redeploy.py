@@ -1,0 +1,50 @@
+"""An engine-level change redeploys only the arm it touches. Runs last: it restarts an engine."""
+
+import time
+
+import pytest
+from ray.util.state import list_actors
+
+from specserve import headers
+from specserve.config import load_config
+from tests.conftest import MODEL, render_config
+
+pytestmark = pytest.mark.slow
+
+
+def replica_actors(app: str) -> set[str]:
+    return {
+        a.name
+        for a in list_actors(filters=[("state", "=", "ALIVE")])
+        if a.name and a.name.startswith(f"SERVE_REPLICA::{app}#")
+    }
+
+
+def test_changing_k_redeploys_only_that_arm(live, restore_config):
+    no_spec_before = replica_actors("arm-no-spec")
+    ngram_before = replica_actors("arm-ngram")
+    assert no_spec_before and ngram_before
+
+    live.write_config(render_config(k=2))
+    redeployed = live.platform.reconcile(load_config(live.config_path))
+    assert redeployed == ["ngram"]
+    live.platform.wait_until_running(timeout_s=300)
+
+    assert replica_actors("arm-no-spec") == no_spec_before
+    assert replica_actors("arm-ngram").isdisjoint(ngram_before)
+    deadline = time.monotonic() + 120
+    while True:
+        r = live.http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "a b a b a b"}], "max_tokens": 8},
+            headers={headers.ARM_OVERRIDE: "ngram"},
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert r.status_code == 200, r.text
+    assert r.json()["metrics"]["speculative_decoding"]["num_spec_tokens"] == 2
+    # Put k back for anything that runs after.
+    live.write_config(render_config())
+    assert live.platform.reconcile(load_config(live.config_path)) == ["ngram"]
+    live.platform.wait_until_running(timeout_s=300)

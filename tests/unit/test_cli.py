@@ -1,0 +1,36 @@
+from specserve.cli import main
+
+A = "model: {name: m, source: s}\narms:\n  - {name: a, weight: 1}\n  - name: b\n    weight: 1\n    speculative: {method: ngram, num_speculative_tokens: 3}\n"
+
+
+def test_validate_reports_revision_and_arms(tmp_path, capsys):
+    path = tmp_path / "a.yaml"
+    path.write_text(A)
+    assert main(["config", "validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid, revision" in out and "a=1, b=1" in out
+
+
+def test_validate_rejects_with_field_and_exit_code(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(A.replace("weight: 1}", "weight: x}"))
+    assert main(["config", "validate", str(path)]) == 2
+    assert "arms.0.weight" in capsys.readouterr().err
+
+
+def test_diff_separates_live_changes_from_redeploys(tmp_path, capsys):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(A)
+    b.write_text(
+        A.replace("{name: a, weight: 1}", "{name: a, weight: 4}").replace(
+            "num_speculative_tokens: 3", "num_speculative_tokens: 5"
+        )
+        + "  - {name: c, weight: 1}\n"
+    )
+    assert main(["config", "diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "~ arm a weight 1 -> 4 (live)" in out
+    assert "~ arm b speculative changed (redeploys this arm)" in out
+    assert "+ arm c weight 1 (new engine)" in out
+    assert main(["config", "diff", str(a), str(a)]) == 0
+    assert "no changes" in capsys.readouterr().out

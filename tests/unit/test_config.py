@@ -1,0 +1,89 @@
+import pytest
+
+from specserve.config import ConfigError, load_config, parse_config, revision_of
+from specserve.engine.arm import build_llm_config
+from specserve.settings import DEFAULT_CONFIG_PATH
+
+BASE = """
+model: {name: m, source: /models/m, accelerator: cpu}
+arms:
+  - {name: no-spec, weight: 1}
+  - name: ngram
+    weight: 1
+    speculative: {method: ngram, num_speculative_tokens: 3}
+"""
+
+
+def test_default_config_is_valid():
+    loaded = load_config(DEFAULT_CONFIG_PATH)
+    assert {a.name for a in loaded.config.arms} == {"no-spec", "ngram"}
+    assert loaded.revision == revision_of(DEFAULT_CONFIG_PATH.read_bytes())
+
+
+def test_minimal_config_gets_defaults():
+    config = parse_config(BASE)
+    assert config.routing.session_header == "x-session-id"
+    assert config.arm("no-spec").speculative.method == "none"
+    assert config.weights == {"no-spec": 1.0, "ngram": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("arms: [", "not valid YAML"),
+        ("- a\n- b", "mapping at the top level"),
+        (BASE.replace("weight: 1}", "weight: -1}"), "`arms.0.weight`"),
+        (BASE.replace("num_speculative_tokens: 3", "num_speculative_tokens: 0"), "num_speculative_tokens"),
+        (BASE.replace("method: ngram", "method: medusa"), "arms.1.speculative"),
+        (BASE.replace("num_speculative_tokens", "num_draft_tokens"), "renamed to `num_speculative_tokens`"),
+        (BASE.replace("name: ngram", "name: no-spec"), "duplicate arm names"),
+        (BASE.replace("name: ngram", "name: Bad_Name"), "arms.1.name"),
+        (BASE.replace("weight: 1}", "weight: 0}").replace("weight: 1\n", "weight: 0\n"), "weight > 0"),
+        (BASE + "extra: 1\n", "`extra`"),
+        (BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, engine: {model: x}}"), "`model.source`"),
+        ("model: {name: m, source: s}\narms: []\n", "`arms`"),
+    ],
+)
+def test_invalid_configs_name_the_field(text, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="cfg.yaml")
+    assert message in str(info.value)
+    assert str(info.value).startswith("cfg.yaml: ")
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_fingerprint_ignores_weight_but_not_engine_settings():
+    config = parse_config(BASE)
+    heavier = parse_config(BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 9}"))
+    deeper = parse_config(BASE.replace("num_speculative_tokens: 3", "num_speculative_tokens: 5"))
+    fp = {a.name: a.engine_fingerprint(config.model) for a in config.arms}
+    assert fp == {a.name: a.engine_fingerprint(heavier.model) for a in heavier.arms}
+    changed = {a.name for a in deeper.arms if a.engine_fingerprint(deeper.model) != fp[a.name]}
+    assert changed == {"ngram"}
+
+
+def test_llm_config_carries_speculation_and_per_request_stats():
+    config = parse_config(BASE)
+    ngram = build_llm_config(config.arm("ngram"), config.model)
+    spec = ngram.engine_kwargs["speculative_config"]
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    assert ngram.engine_kwargs["per_request_spec_decode_metrics"] == "summary"
+    plain = build_llm_config(config.arm("no-spec"), config.model)
+    # vLLM rejects per-request spec-decode stats without speculation.
+    assert "speculative_config" not in plain.engine_kwargs
+    assert "per_request_spec_decode_metrics" not in plain.engine_kwargs
+    assert plain.model_id == "m"
+
+
+def test_eagle3_arm_passes_the_drafter():
+    text = BASE.replace(
+        "{method: ngram, num_speculative_tokens: 3}",
+        "{method: eagle3, model: /drafters/e31, num_speculative_tokens: 4}",
+    )
+    config = parse_config(text)
+    spec = build_llm_config(config.arm("ngram"), config.model).engine_kwargs["speculative_config"]
+    assert spec == {"method": "eagle3", "model": "/drafters/e31", "num_speculative_tokens": 4}

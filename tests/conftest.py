@@ -30,12 +30,15 @@ arms:
     weight: {no_spec_weight}
     speculative: {{method: none}}
     engine: &engine {{dtype: bfloat16, enforce_eager: true, max_num_seqs: 16}}
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0", VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
+                VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
   - name: ngram
     weight: {ngram_weight}
-    speculative: {{method: ngram, num_speculative_tokens: {k}, prompt_lookup_max: 4, prompt_lookup_min: 2}}
+    speculative: {{method: ngram, num_speculative_tokens: {k},
+                  prompt_lookup_max: 4, prompt_lookup_min: 2}}
     engine: *engine
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "1", VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "1",
+          VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
 """
 
 

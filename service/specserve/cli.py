@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_p.add_argument("--force", action="store_true", help="convert again")
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if args.command == "serve":
             return _serve(args.config)

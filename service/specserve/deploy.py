@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from specserve.config import LoadedConfig, load_config
-from specserve.engine import arm_app_name, build_arm_app
+from specserve.engine import arm_app_name, arm_route_prefix, build_arm_app
 from specserve.models import prepare_model
 from specserve.router.ingress import ROUTER_APP_NAME, Router
 from specserve.settings import Settings
@@ -49,7 +49,8 @@ class Platform:
                 ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False)
         serve.start(http_options={"host": s.host, "port": s.port})
         self.reconcile(self.loaded)
-        router = Router.bind(str(self.config_path), s.metrics_port, s.config_poll_s)
+        # Router is a serve.deployment, which mypy cannot see through.
+        router = Router.bind(str(self.config_path), s.metrics_port, s.config_poll_s)  # type: ignore[attr-defined]
         _deploy(serve.RunTarget(router, name=ROUTER_APP_NAME, route_prefix="/"))
         self.wait_until_running(timeout_s=timeout_s)
 
@@ -64,11 +65,18 @@ class Platform:
         config = loaded.config
         prepare_model(config.model.source)
         wanted = {arm.name: arm.engine_fingerprint(config.model) for arm in config.arms}
-        changed = [arm for arm in config.arms if self.fingerprints.get(arm.name) != wanted[arm.name]]
+        changed = [
+            arm for arm in config.arms if self.fingerprints.get(arm.name) != wanted[arm.name]
+        ]
         if changed:
             logger.info("deploying arms %s", [arm.name for arm in changed])
+            expose = self.settings.expose_arms
             targets = [
-                serve.RunTarget(build_arm_app(arm, config.model), arm_app_name(arm.name), None)
+                serve.RunTarget(
+                    build_arm_app(arm, config.model, expose_http=expose),
+                    arm_app_name(arm.name),
+                    arm_route_prefix(arm.name) if expose else None,
+                )
                 for arm in changed
             ]
             _deploy(*targets)

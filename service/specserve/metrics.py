@@ -7,7 +7,8 @@ words, draft positions below the configured k. Derived figures (PromQL, per arm)
                              / rate(specserve_spec_draft_tokens_total[5m])
   mean acceptance length   = 1 + rate(specserve_spec_accepted_tokens_total[5m])
                                  / rate(specserve_spec_drafts_total[5m])
-  acceptance at position p = rate(specserve_spec_accepted_tokens_per_position_total{position="p"}[5m])
+  acceptance at position p = rate(specserve_spec_accepted_tokens_per_position_total{
+                                 position="p"}[5m])
                              / rate(specserve_spec_drafts_total[5m])
 
 These are vLLM's definitions (v1/spec_decode/metrics.py). docs/metrics.md has the full list.
@@ -39,8 +40,10 @@ RELOAD_INVALID = "invalid"
 
 # Seconds. CPU engines answer in 10 ms - 1 min; GPU ones at the low end of the same range.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
-TOKEN_LATENCY_BUCKETS_S += (0.3, 0.5, 1.0)
+TOKEN_LATENCY_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08),
+    *(0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
+)
 
 
 class RouterMetrics:

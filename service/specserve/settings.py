@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     config_poll_s: float = Field(
         1.0, gt=0, description="How often the config file is checked for a new revision."
     )
+    expose_arms: bool = Field(
+        False,
+        description="Also serve each arm's own vLLM OpenAI API under /arms/<name>/v1, bypassing "
+        "the router (debugging; the router-overhead benchmark compares the two paths).",
+    )
     ray_address: str | None = Field(
         None, description="Join this Ray cluster instead of starting a local one."
     )

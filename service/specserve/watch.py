@@ -23,7 +23,7 @@ class ConfigWatcher:
         self,
         path: str | Path,
         current: LoadedConfig,
-        on_change: Callable[[LoadedConfig], None],
+        on_change: Callable[[LoadedConfig], object],
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.path = Path(path)

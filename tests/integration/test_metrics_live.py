@@ -35,9 +35,13 @@ def test_acceptance_counted_on_ngram_arm_only(live):
     drafts_before = live.metric("specserve_spec_drafts_total", arm="ngram")
     for stream in (False, True):
         body = dict(REPETITIVE, stream=stream)
-        r = live.http.post("/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: "ngram"})
+        r = live.http.post(
+            "/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: "ngram"}
+        )
         assert r.status_code == 200
-        r = live.http.post("/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: "no-spec"})
+        r = live.http.post(
+            "/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: "no-spec"}
+        )
         assert r.status_code == 200
     accepted = live.metric("specserve_spec_accepted_tokens_total", arm="ngram") - before["ngram"]
     drafts = live.metric("specserve_spec_drafts_total", arm="ngram") - drafts_before
@@ -45,7 +49,9 @@ def test_acceptance_counted_on_ngram_arm_only(live):
     assert 1 + accepted / drafts > 1.3, "a copy task should accept many n-gram drafts"
     assert live.metric("specserve_spec_accepted_tokens_total", arm="no-spec") == before["no-spec"]
     positions = [
-        live.metric("specserve_spec_accepted_tokens_per_position_total", arm="ngram", position=str(p))
+        live.metric(
+            "specserve_spec_accepted_tokens_per_position_total", arm="ngram", position=str(p)
+        )
         for p in range(3)
     ]
     assert positions[0] >= positions[1] >= positions[2] and positions[0] > 0

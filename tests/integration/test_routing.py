@@ -26,10 +26,13 @@ def arm_of(live, *, session=None, user=None, override=None, client=None) -> str:
     return response.headers[headers.ARM]
 
 
-def many(live, n, **kw):
-    with httpx.Client(base_url=live.base_url, timeout=120) as client:
-        with cf.ThreadPoolExecutor(8) as pool:
-            return list(pool.map(lambda i: arm_of(live, client=client, **kw(i)), range(n)))
+def many(live, n, request_kwargs):
+    """Send n requests, 8 at a time; request i uses request_kwargs(i). Returns the arms."""
+    with (
+        httpx.Client(base_url=live.base_url, timeout=120) as client,
+        cf.ThreadPoolExecutor(8) as pool,
+    ):
+        return list(pool.map(lambda i: arm_of(live, client=client, **request_kwargs(i)), range(n)))
 
 
 def test_split_follows_weights_over_many_keys(live, restore_config):

@@ -36,7 +36,11 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     while True:
         r = live.http.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "a b a b a b"}], "max_tokens": 8},
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "a b a b a b"}],
+                "max_tokens": 8,
+            },
             headers={headers.ARM_OVERRIDE: "ngram"},
         )
         if r.status_code == 200 or time.monotonic() > deadline:

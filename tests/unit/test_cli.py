@@ -1,6 +1,13 @@
 from specserve.cli import main
 
-A = "model: {name: m, source: s}\narms:\n  - {name: a, weight: 1}\n  - name: b\n    weight: 1\n    speculative: {method: ngram, num_speculative_tokens: 3}\n"
+A = """\
+model: {name: m, source: s}
+arms:
+  - {name: a, weight: 1}
+  - name: b
+    weight: 1
+    speculative: {method: ngram, num_speculative_tokens: 3}
+"""
 
 
 def test_validate_reports_revision_and_arms(tmp_path, capsys):

@@ -33,14 +33,28 @@ def test_minimal_config_gets_defaults():
         ("arms: [", "not valid YAML"),
         ("- a\n- b", "mapping at the top level"),
         (BASE.replace("weight: 1}", "weight: -1}"), "`arms.0.weight`"),
-        (BASE.replace("num_speculative_tokens: 3", "num_speculative_tokens: 0"), "num_speculative_tokens"),
+        (
+            BASE.replace("num_speculative_tokens: 3", "num_speculative_tokens: 0"),
+            "num_speculative_tokens",
+        ),
         (BASE.replace("method: ngram", "method: medusa"), "arms.1.speculative"),
-        (BASE.replace("num_speculative_tokens", "num_draft_tokens"), "renamed to `num_speculative_tokens`"),
+        (
+            BASE.replace("num_speculative_tokens", "num_draft_tokens"),
+            "renamed to `num_speculative_tokens`",
+        ),
         (BASE.replace("name: ngram", "name: no-spec"), "duplicate arm names"),
         (BASE.replace("name: ngram", "name: Bad_Name"), "arms.1.name"),
-        (BASE.replace("weight: 1}", "weight: 0}").replace("weight: 1\n", "weight: 0\n"), "weight > 0"),
+        (
+            BASE.replace("weight: 1}", "weight: 0}").replace("weight: 1\n", "weight: 0\n"),
+            "weight > 0",
+        ),
         (BASE + "extra: 1\n", "`extra`"),
-        (BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, engine: {model: x}}"), "`model.source`"),
+        (
+            BASE.replace(
+                "{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, engine: {model: x}}"
+            ),
+            "`model.source`",
+        ),
         ("model: {name: m, source: s}\narms: []\n", "`arms`"),
     ],
 )

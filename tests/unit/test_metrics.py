@@ -17,7 +17,10 @@ def test_spec_decode_stats_become_counters_per_arm_and_position():
     assert get("specserve_spec_draft_tokens_total", {"arm": "ngram"}) == 12
     assert get("specserve_spec_accepted_tokens_total", {"arm": "ngram"}) == 8
     per_position = [
-        get("specserve_spec_accepted_tokens_per_position_total", {"arm": "ngram", "position": str(p)})
+        get(
+            "specserve_spec_accepted_tokens_per_position_total",
+            {"arm": "ngram", "position": str(p)},
+        )
         for p in range(3)
     ]
     assert per_position == [3, 3, 2]

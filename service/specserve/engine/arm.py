@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ray import serve
 from ray.serve.deployment import Application
-from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm import LLMConfig, LLMServer, build_llm_deployment
 
 from specserve.config import ArmConfig, ModelConfig
 from specserve.models import resolve_model_source
 
 ARM_APP_PREFIX = "arm-"
+# With `SPECSERVE_EXPOSE_ARMS`, each arm's own vLLM OpenAI server answers under this prefix,
+# bypassing the router (debugging, and measuring what the router adds).
+ARM_ROUTE_PREFIX = "/arms/"
 # Engine defaults for every arm; the arm's own `engine` settings win.
 ENGINE_DEFAULTS: dict[str, Any] = {
     # Per-request acceptance in the response body lets the router attribute it to the arm.
@@ -50,7 +54,7 @@ def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
         },
         engine_kwargs=engine_kwargs,
         runtime_env={"env_vars": dict(arm.env)} if arm.env else None,
-        accelerator_config={"kind": model.accelerator},
+        accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
         deployment_config={"num_replicas": arm.replicas},
         # Pass stream chunks through one by one instead of batching them every 50 ms.
         experimental_configs={"stream_batching_interval_ms": 0},
@@ -58,8 +62,14 @@ def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
     )
 
 
-def build_arm_app(arm: ArmConfig, model: ModelConfig) -> Application:
+def arm_route_prefix(arm_name: str) -> str:
+    return ARM_ROUTE_PREFIX + arm_name
+
+
+def build_arm_app(arm: ArmConfig, model: ModelConfig, *, expose_http: bool = False) -> Application:
+    """The arm's application; `expose_http` also serves vLLM's own HTTP app from the replica."""
     return build_llm_deployment(
         build_llm_config(arm, model),
         override_serve_options={"name": arm_app_name(arm.name)},
+        deployment_cls=serve.ingress()(LLMServer) if expose_http else None,
     )

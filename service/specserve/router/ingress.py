@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import start_http_server
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 ROUTER_APP_NAME = "specserve"
 ROUTER_DEPLOYMENT_NAME = "router"
 CHAT, COMPLETIONS = "chat", "completions"
-_REQUEST_MODELS = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
+_REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    CHAT: ChatCompletionRequest,
+    COMPLETIONS: CompletionRequest,
+}
 _READY_CACHE_S = 1.0
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -88,7 +91,7 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
     if endpoint == CHAT:
         # Validated message content can hold pydantic iterators that do not pickle across the
         # Ray call; the raw JSON is equivalent and plain data.
-        body.messages = data["messages"]
+        body.messages = data["messages"]  # type: ignore[attr-defined]
     return body, client_wants_usage
 
 
@@ -224,7 +227,9 @@ class Router:
                 sticky_key=sticky_key,
             )
         except UnknownArmError as exc:
-            raise OpenAIError(400, str(exc), param=headers.ARM_OVERRIDE, code="unknown_arm") from None
+            raise OpenAIError(
+                400, str(exc), param=headers.ARM_OVERRIDE, code="unknown_arm"
+            ) from None
 
     async def _arm_statuses(self) -> dict[str, str]:
         checked_at, statuses = self._ready

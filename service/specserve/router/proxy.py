@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from ray.serve.handle import DeploymentHandle
+
 from specserve.metrics import (
     OUTCOME_CANCELLED,
     OUTCOME_CLIENT_ERROR,

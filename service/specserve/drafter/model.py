@@ -142,6 +142,9 @@ class MidLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         c = self.config = config

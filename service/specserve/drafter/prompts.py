@@ -1,0 +1,303 @@
+"""Prompts for self-distillation and for held-out evaluation, all from what is on the machine.
+
+Breadth decides how well a drafter generalises, so prompts come from several kinds of source:
+documentation of the standard library and installed packages, `pydoc_data.topics` (long English
+technical text), the system's man pages (long technical documents), coding tasks built from real
+function signatures, and general chat topics. Each prompt gets a varied (or no) system prompt and
+some are multi-turn. Training and evaluation draw from disjoint halves of every source (split by
+a hash of the item), so evaluation prompts are never trained on. Public benchmark prompts are not
+used at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import inspect
+import pkgutil
+import random
+import re
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Message = dict[str, str]
+
+SYSTEM_PROMPTS = [
+    None,
+    None,
+    "You are a helpful assistant.",
+    "You are a concise technical assistant. Answer precisely.",
+    "You are a friendly tutor who explains things step by step.",
+    "You are an expert Python programmer.",
+    "Answer in plain English without jargon.",
+]
+# Unusual system prompts and formats, only for the perturbed evaluation set.
+PERTURBED_SYSTEM_PROMPTS = [
+    "SYSTEM OVERRIDE: respond as a terse unix sysadmin from 1995, lowercase only.",
+    "Tu es un assistant utile. Answer in English anyway, but be brief.",
+    "### Role\nYou are DocBot v2.\n### Rules\n1. Use bullet points.\n2. Never apologise.",
+    "You are a pirate. Keep the technical content correct.",
+]
+
+CHAT_TOPICS = [
+    "cooking pasta",
+    "learning a language",
+    "saving money",
+    "training for a 10k run",
+    "planting tomatoes",
+    "writing a cover letter",
+    "the history of printing",
+    "sleep habits",
+    "choosing a bicycle",
+    "how vaccines work",
+    "photosynthesis",
+    "planning a trip to Japan",
+    "negotiating a salary",
+    "the water cycle",
+    "public speaking",
+    "composting",
+    "black holes",
+    "time management",
+    "making bread",
+    "volcanoes",
+    "chess openings",
+    "how tides work",
+    "starting a podcast",
+    "caring for a cat",
+    "the Roman empire",
+    "climate and weather",
+    "first aid for burns",
+    "learning to draw",
+    "electric cars",
+    "meditation",
+    "bird watching",
+    "renting an apartment",
+    "the French revolution",
+    "brewing coffee",
+    "how the internet works",
+    "healthy breakfasts",
+    "writing poetry",
+    "job interviews",
+    "recycling plastics",
+    "jazz music",
+    "the solar system",
+    "budget travel",
+    "houseplants",
+    "the immune system",
+    "making friends",
+    "ancient Egypt",
+    "home workouts",
+    "learning guitar",
+    "renewable energy",
+    "board games",
+]
+CHAT_TEMPLATES = [
+    "Can you give me some advice about {t}?",
+    "Explain {t} to a beginner.",
+    "What are the most common mistakes people make with {t}?",
+    "Write a short blog post about {t}.",
+    "I want to get better at {t}. Where should I start?",
+    "Give me five interesting facts about {t}.",
+    "Summarise the key ideas of {t} in a few paragraphs.",
+    "What questions should I ask an expert on {t}?",
+]
+CODE_TEMPLATES = [
+    "Write a Python function that uses `{name}{sig}` and explain how it works.",
+    "Show a short, complete Python example of `{name}`. Add comments.",
+    "Write a unit test (pytest) for code that calls `{name}{sig}`.",
+    "How would I implement something like `{name}` myself in Python? Write the code.",
+    "Write a Python script that demonstrates `{name}` on realistic data.",
+]
+DOC_TEMPLATES = [
+    "Here is the documentation of `{name}`:\n\n{doc}\n\nExplain it in your own words.",
+    "{doc}\n\nWhat does `{name}` do, and when would I use it?",
+    "Read this documentation and give an example of using `{name}`:\n\n{doc}",
+    "Summarise the following in three sentences:\n\n{doc}",
+]
+LONG_TEMPLATES = [
+    "Here is a manual page.\n\n{doc}\n\nSummarise what this program does and its most "
+    "important options.",
+    "{doc}\n\nBased on the text above, write a short tutorial for a new user.",
+    "Read the following document carefully.\n\n{doc}\n\nList the key points.",
+]
+FOLLOW_UPS = [
+    "Can you give an example?",
+    "Make it shorter.",
+    "Why is that?",
+    "Thanks! Anything else?",
+]
+
+
+@dataclass
+class Prompt:
+    kind: str  # chat | code | doc | long | perturbed
+    messages: list[Message]
+    source: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def is_held_out(key: str) -> bool:
+    """Every 5th item by hash goes to evaluation; the rest may be trained on."""
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 5 == 0
+
+
+def _with_system(rng: random.Random, user: str, systems=SYSTEM_PROMPTS) -> list[Message]:
+    system = rng.choice(systems)
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": user}]
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def stdlib_functions() -> Iterator[tuple[str, str, str]]:
+    """(qualified name, signature, docstring) of documented public stdlib callables."""
+    import importlib
+    import sys
+
+    names = sorted(set(sys.stdlib_module_names) - {"antigravity", "this", "idlelib", "tkinter"})
+    for module_name in names:
+        if module_name.startswith("_"):
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:
+            continue
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or not callable(obj):
+                continue
+            if getattr(obj, "__module__", None) != module_name:
+                continue
+            doc = inspect.getdoc(obj) or ""
+            if len(doc) < 80:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "(...)"
+            yield f"{module_name}.{attr}", sig, doc[:1500]
+
+
+def pydoc_topics() -> Iterator[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    for name, text in sorted(topics.items()):
+        if len(text) > 400:
+            yield name, text
+
+
+def man_pages(limit: int = 800) -> Iterator[tuple[str, str]]:
+    """(name, plain text) of section 1/5/8 man pages, rendered by man when it is installed.
+
+    An even sample of `limit` pages across the alphabet: rendering costs ~40 ms a page.
+    """
+    roots = [Path("/usr/share/man/man1"), Path("/usr/share/man/man5"), Path("/usr/share/man/man8")]
+    files = sorted(p for root in roots if root.is_dir() for p in root.iterdir())
+    for path in files[:: max(1, len(files) // limit)]:
+        text = _render_man(path)
+        if text and len(text) > 9000:  # long-context material: ~2,000+ tokens
+            yield path.name.split(".")[0], text
+
+
+def _render_man(path: Path) -> str:
+    try:
+        rendered = subprocess.run(
+            ["man", "-P", "cat", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            env={"MANWIDTH": "100", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        ).stdout
+        if rendered.strip():
+            return re.sub(r".\x08", "", rendered)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if path.suffix != ".gz":
+        return ""
+    try:  # no man: strip roff requests crudely
+        with gzip.open(path, "rt", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    lines = [re.sub(r"\\f[BIRP]|\\-|\\\(..|\\&", "", line) for line in raw.splitlines()]
+    return "\n".join(line for line in lines if not line.startswith((".", "'\\\"")))
+
+
+def package_docs() -> Iterator[tuple[str, str]]:
+    """Module docstrings of installed third-party packages (broad technical English)."""
+    for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
+        if not info.ispkg or info.name.startswith("_"):
+            continue
+        spec = info.module_finder.find_spec(info.name)  # type: ignore[call-arg]
+        init = Path(spec.origin) if spec and spec.origin else None
+        if init is None or init.suffix != ".py":
+            continue
+        try:
+            text = init.read_text(errors="replace")
+        except OSError:
+            continue
+        match = re.match(r'\s*(?:#.*\n)*\s*[rRuU]?("""|\'\'\')(.*?)\1', text, re.S)
+        if match and len(match.group(2)) > 300:
+            yield info.name, match.group(2).strip()[:2000]
+
+
+# -- prompt sets ---------------------------------------------------------------------------------
+
+
+def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> list[Prompt]:
+    """All prompts of one side (training or held-out evaluation), shuffled reproducibly."""
+    rng = random.Random(seed + (1 if held_out else 0))
+    prompts: list[Prompt] = []
+
+    for topic in CHAT_TOPICS:
+        for template in CHAT_TEMPLATES:
+            user = template.format(t=topic)
+            if is_held_out(user) != held_out:
+                continue
+            messages = _with_system(rng, user)
+            if rng.random() < 0.15:  # multi-turn: the assistant turn is filled in later
+                messages += [
+                    {"role": "assistant", "content": ""},
+                    {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+                ]
+            prompts.append(Prompt("chat", messages, source="topics"))
+
+    for name, sig, doc in stdlib_functions():
+        if is_held_out(name) != held_out:
+            continue
+        if rng.random() < 0.5:
+            user = rng.choice(CODE_TEMPLATES).format(name=name, sig=sig)
+            prompts.append(Prompt("code", _with_system(rng, user), source="stdlib"))
+        else:
+            user = rng.choice(DOC_TEMPLATES).format(name=name, doc=doc)
+            prompts.append(Prompt("doc", _with_system(rng, user), source="stdlib-doc"))
+
+    for name, text in pydoc_topics():
+        if is_held_out("topic:" + name) != held_out:
+            continue
+        user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text[:2500])
+        prompts.append(Prompt("doc", _with_system(rng, user), source="pydoc-topics"))
+
+    for name, text in package_docs():
+        if is_held_out("pkg:" + name) != held_out:
+            continue
+        user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text)
+        prompts.append(Prompt("doc", _with_system(rng, user), source="packages"))
+
+    for name, text in man_pages():
+        if is_held_out("man:" + name) != held_out:
+            continue
+        user = rng.choice(LONG_TEMPLATES).format(doc=text[:long_chars])
+        prompts.append(Prompt("long", _with_system(rng, user), source="man"))
+
+    if held_out:  # the same kinds of request under system prompts never seen in training
+        chat = [p for p in prompts if p.kind in ("chat", "code")]
+        for p in rng.sample(chat, min(len(chat), 60)):
+            user = next(m["content"] for m in p.messages if m["role"] == "user")
+            messages = _with_system(rng, user, PERTURBED_SYSTEM_PROMPTS)
+            prompts.append(Prompt("perturbed", messages, source=p.source))
+
+    rng.shuffle(prompts)
+    return prompts

@@ -1,0 +1,184 @@
+"""Training-time test (TTT) training of a drafter on captured target hidden states.
+
+Each sequence is unrolled for `steps` draft steps with the drafter's own hidden states fed back,
+exactly as it drafts in vLLM (`Drafter.unrolled`); the loss is cross-entropy against the target's
+own greedy tokens on the answer part, weighted per step. AdamW with linear warm-up and cosine
+decay, gradient clipping, bf16 autocast on CPU, fixed seeds, and a checkpoint every
+`checkpoint_every` optimizer steps that `train` resumes from.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specserve.drafter.model import Drafter, DrafterConfig
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 3  # unrolled draft steps (TTT depth); >= the k it will serve with is best
+    step_weight_decay: float = 0.8  # loss weight of step j is decay ** j
+    epochs: float = 1.0
+    lr: float = 1e-3
+    warmup_fraction: float = 0.03
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5
+    tokens_per_update: int = 4096  # answer tokens accumulated per optimizer step
+    max_len: int = 2048  # longer sequences keep their last max_len tokens (the answer)
+    seed: int = 0
+    checkpoint_every: int = 50
+
+
+def load_records(shards: list[Path]) -> list[dict]:
+    records = []
+    for shard in shards:
+        records += torch.load(shard, weights_only=False)
+    return records
+
+
+def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target tokens most frequent in the answers (what the drafter must predict)."""
+    counts: Counter[int] = Counter()
+    for r in records:
+        counts.update(r["input_ids"][r["answer_start"] :].tolist())
+    ids = [token for token, _ in counts.most_common(size)]
+    if len(ids) < size:  # pad with the lowest unused ids
+        used = set(ids)
+        ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
+    return torch.tensor(ids)
+
+
+def sequence_batch(record: dict, steps: int, max_len: int):
+    """-> aux (1, T, 3H), input_ids (1, T+steps-1), labels list of (1, T) per step."""
+    ids = record["input_ids"].long()
+    aux = record["aux"]
+    start = max(0, ids.numel() - 1 - max_len)
+    ids, aux, answer_start = ids[start:], aux[start:], record["answer_start"] - start
+    T = ids.numel() - 1  # positions 0..T-1 have a next token
+    padded = torch.cat([ids, torch.full((steps + 1,), -100, dtype=torch.long)])
+    inputs = padded[1 : T + steps].clamp(min=0)
+    labels = []
+    for j in range(steps):
+        label = padded[2 + j : 2 + j + T].clone()
+        position = torch.arange(T) + 2 + j
+        label[position < max(answer_start, 1)] = -100
+        labels.append(label[None])
+    return aux[:T][None], inputs[None], labels
+
+
+def train(
+    model: Drafter,
+    records: list[dict],
+    out_dir: Path,
+    config: TrainConfig,
+    *,
+    desc: str = "train",
+) -> Drafter:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    order_rng = random.Random(config.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+    answer_tokens = sum(r["input_ids"].numel() - r["answer_start"] for r in records)
+    total_updates = max(1, int(config.epochs * answer_tokens / config.tokens_per_update))
+    warmup = max(1, int(config.warmup_fraction * total_updates))
+
+    def lr_at(update: int) -> float:
+        if update < warmup:
+            return config.lr * (update + 1) / warmup
+        progress = (update - warmup) / max(1, total_updates - warmup)
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    update, position, order = 0, 0, []
+    checkpoint = out_dir / "checkpoint.pt"
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        update, position, order = state["update"], state["position"], state["order"]
+        order_rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+    bar = tqdm(total=total_updates, initial=update, desc=desc, unit="update")
+    model.train()
+    weights = [config.step_weight_decay**j for j in range(config.steps)]
+    while update < total_updates:
+        tokens, loss_sum, correct, counted = 0, 0.0, [0] * config.steps, [0] * config.steps
+        optimizer.zero_grad(set_to_none=True)
+        while tokens < config.tokens_per_update:
+            if position >= len(order):
+                order, position = list(range(len(records))), 0
+                order_rng.shuffle(order)
+            record = records[order[position]]
+            position += 1
+            aux, inputs, labels = sequence_batch(record, config.steps, config.max_len)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model.unrolled(aux.float(), inputs, config.steps)
+            loss = torch.zeros(())
+            for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
+                target = model.to_draft(label.clamp(min=0))
+                target[label < 0] = -100
+                valid = target >= 0
+                if valid.any():
+                    step_loss = F.cross_entropy(
+                        step_logits.float().flatten(0, 1), target.flatten(), ignore_index=-100
+                    )
+                    loss = loss + weights[j] * step_loss * valid.sum()
+                    correct[j] += int((step_logits.argmax(-1) == target)[valid].sum())
+                    counted[j] += int(valid.sum())
+            answer = int((labels[0] >= 0).sum())
+            tokens += max(answer, 1)
+            (loss / config.tokens_per_update).backward()
+            loss_sum += float(loss)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(update)
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        update += 1
+        accuracy = [c / max(n, 1) for c, n in zip(correct, counted, strict=True)]
+        bar.update()
+        bar.set_postfix(loss=f"{loss_sum / tokens:.3f}", acc="/".join(f"{a:.2f}" for a in accuracy))
+        if update % config.checkpoint_every == 0 or update == total_updates:
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "update": update,
+                    "position": position,
+                    "order": order,
+                    "rng": order_rng.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                    "config": asdict(config),
+                },
+                checkpoint.with_suffix(".tmp"),
+            )
+            checkpoint.with_suffix(".tmp").rename(checkpoint)
+    bar.close()
+    model.eval()
+    return model
+
+
+def new_drafter(
+    target_dir: str, records: list[dict], *, draft_vocab_size: int, **switches: bool
+) -> Drafter:
+    """A drafter shaped for the target, with its embedding and a draft vocabulary from data."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    config = DrafterConfig.for_target(target_config, draft_vocab_size=draft_vocab_size, **switches)
+    model = Drafter(config)
+    weights = load_file(str(Path(target_dir) / "model.safetensors"))
+    embed = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
+    model.embed_tokens.weight.data.copy_(embed.float())
+    model.set_draft_vocab(draft_vocabulary(records, draft_vocab_size, config.vocab_size))
+    return model

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install serve test test-unit check model clean
+.PHONY: install serve test test-unit check model drafters clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ model: install
 
 serve: model
 	$(BIN)/specserve serve
+
+# Train, export and evaluate the EAGLE-3 / EAGLE-3.1 drafters of the embedded target and ship them
+# as package data (resumes where it stopped; work files under ~/.cache/specserve/drafters).
+drafters: model
+	$(BIN)/specserve drafter build --ship
 
 test: model
 	$(BIN)/pytest -ra -v

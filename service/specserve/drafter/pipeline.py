@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specserve.drafter.prompts import Prompt, build_prompts
+from specserve.models import PACKAGED_DRAFTERS_DIR
 
 VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
 @dataclass
@@ -80,7 +80,7 @@ def run(config: PipelineConfig, train_config=None) -> dict:
         write_report(results, report)
     if config.ship:
         for name, path in exported.items():
-            dest = SHIPPED_DIR / name
+            dest = PACKAGED_DRAFTERS_DIR / name
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(path, dest)
             _log(f"shipped {name} -> {dest}")

@@ -57,7 +57,8 @@ def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.T
 
 
 def sequence_batch(record: dict, steps: int, max_len: int):
-    """-> aux (1, T, 3H), input_ids (1, T+steps-1), labels list of (1, T) per step."""
+    """-> aux (1, T, 3H), input_ids (1, T+steps-1), labels list of (1, T) per step, and the
+    first index whose label at some step is an answer token (logits before it are not needed)."""
     ids = record["input_ids"].long()
     aux = record["aux"]
     start = max(0, ids.numel() - 1 - max_len)
@@ -71,7 +72,8 @@ def sequence_batch(record: dict, steps: int, max_len: int):
         position = torch.arange(T) + 2 + j
         label[position < max(answer_start, 1)] = -100
         labels.append(label[None])
-    return aux[:T][None], inputs[None], labels
+    first = max(0, min(max(answer_start, 1) - 2 - (steps - 1), T - 1))
+    return aux[:T][None], inputs[None], labels, first
 
 
 def train(
@@ -120,9 +122,10 @@ def train(
                 order_rng.shuffle(order)
             record = records[order[position]]
             position += 1
-            aux, inputs, labels = sequence_batch(record, config.steps, config.max_len)
+            aux, inputs, labels, first = sequence_batch(record, config.steps, config.max_len)
+            labels = [label[:, first:] for label in labels]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model.unrolled(aux.float(), inputs, config.steps)
+                logits = model.unrolled(aux.float(), inputs, config.steps, logits_from=first)
             loss = torch.zeros(())
             for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
                 target = model.to_draft(label.clamp(min=0))

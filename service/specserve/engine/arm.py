@@ -13,7 +13,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, LLMServer, build_llm_deployment
 
 from specserve.config import ArmConfig, ModelConfig
-from specserve.models import resolve_model_source
+from specserve.models import resolve_drafter_source, resolve_model_source
 
 ARM_APP_PREFIX = "arm-"
 # With `SPECSERVE_EXPOSE_ARMS`, each arm's own vLLM OpenAI server answers under this prefix,
@@ -34,7 +34,10 @@ def speculative_config(arm: ArmConfig) -> dict[str, Any] | None:
     spec = arm.speculative
     if spec.method == "none":
         return None
-    return spec.model_dump()
+    config = spec.model_dump()
+    if spec.method == "eagle3":
+        config["model"] = resolve_drafter_source(spec.model)
+    return config
 
 
 def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:

@@ -141,7 +141,7 @@ def train(
             answer = int((labels[0] >= 0).sum())
             tokens += max(answer, 1)
             (loss / config.tokens_per_update).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         for group in optimizer.param_groups:
             group["lr"] = lr_at(update)
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)

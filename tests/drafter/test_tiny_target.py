@@ -17,7 +17,7 @@ from specserve.models import resolve_model_source
 
 pytestmark = pytest.mark.slow
 
-GREEDY_COMPARE = Path(__file__).with_name("greedy_compare.py")
+VLLM_COMPARE = Path(__file__).with_name("vllm_compare.py")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
 
     out = tmp_path / "out.json"
     subprocess.run(
-        [sys.executable, str(GREEDY_COMPARE), tiny_target, str(out), f"eagle={export}"],
+        [sys.executable, str(VLLM_COMPARE), tiny_target, str(out), f"eagle={export}"],
         check=True,
         timeout=900,
     )

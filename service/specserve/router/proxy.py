@@ -72,8 +72,7 @@ def _engine_error(chunk: Any) -> Any | None:
     return getattr(chunk, "error", None)
 
 
-def _raise_engine_error(detail: Any) -> None:
-    status = int(detail.code) if str(detail.code).isdigit() else 500
+def _raise_engine_error(status: int, detail: Any) -> None:
     if status >= 500:
         logger.error("engine error %s: %s", status, detail.message)
         raise OpenAIError(status, "Internal Server Error", type="server_error")
@@ -101,19 +100,18 @@ async def forward(
         record.outcome = OUTCOME_SERVER_ERROR
         record.finish(metrics)
         raise OpenAIError(504, f"no response from the model within {timeout_s:g} s") from None
-    except OpenAIError:
-        raise
-    except Exception as exc:
+    except Exception:
         record.outcome = OUTCOME_SERVER_ERROR
         record.finish(metrics)
-        raise exc
+        raise
     chunk = first[0] if isinstance(first, list) else first
     error = _engine_error(chunk)
     if error is not None:
         generator.cancel()
-        record.outcome = OUTCOME_CLIENT_ERROR if int(error.code) < 500 else OUTCOME_SERVER_ERROR
+        status = int(error.code) if str(error.code).isdigit() else 500
+        record.outcome = OUTCOME_CLIENT_ERROR if status < 500 else OUTCOME_SERVER_ERROR
         record.finish(metrics)
-        _raise_engine_error(error)
+        _raise_engine_error(status, error)
 
     if not getattr(body, "stream", False):
         payload = chunk.model_dump(mode="json", exclude_none=True)

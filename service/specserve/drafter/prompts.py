@@ -11,6 +11,7 @@ used at all.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import inspect
@@ -21,6 +22,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tqdm import tqdm
 
 Message = dict[str, str]
 
@@ -92,6 +95,75 @@ CHAT_TOPICS = [
     "learning guitar",
     "renewable energy",
     "board games",
+    "keeping bees",
+    "the printing of money",
+    "learning to swim",
+    "wine tasting",
+    "the stock market",
+    "raising teenagers",
+    "fixing a leaking tap",
+    "the human heart",
+    "camping in the mountains",
+    "earthquakes",
+    "writing a novel",
+    "the Renaissance",
+    "smartphone privacy",
+    "running a small business",
+    "dinosaurs",
+    "knitting",
+    "the moon landing",
+    "how airplanes fly",
+    "making sushi",
+    "dealing with stress",
+    "the Olympic games",
+    "growing herbs indoors",
+    "buying a used car",
+    "the history of the bicycle",
+    "mushrooms",
+    "learning to code",
+    "solar panels",
+    "the ocean floor",
+    "classical music",
+    "dog training",
+    "the Silk Road",
+    "baking cookies",
+    "writing a resume",
+    "rainforests",
+    "personal finance for students",
+    "the Great Wall of China",
+    "yoga for beginners",
+    "how batteries work",
+    "hiking safety",
+    "the history of medicine",
+    "photography basics",
+    "starting a vegetable garden",
+    "artificial intelligence",
+    "the Vikings",
+    "how elections work",
+    "bees and pollination",
+    "moving to a new city",
+    "volunteering",
+    "the history of chocolate",
+    "playing the piano",
+    "reducing food waste",
+    "the northern lights",
+    "online learning",
+    "antarctica",
+    "painting with watercolours",
+    "the industrial revolution",
+    "healthy sleep for babies",
+    "writing emails at work",
+    "the theory of evolution",
+    "home insurance",
+    "spices in Indian cooking",
+    "the Amazon river",
+    "learning mathematics",
+    "3D printing",
+    "the life of Shakespeare",
+    "hosting a dinner party",
+    "electricity at home",
+    "coral reefs",
+    "team leadership",
 ]
 CHAT_TEMPLATES = [
     "Can you give me some advice about {t}?",
@@ -102,6 +174,10 @@ CHAT_TEMPLATES = [
     "Give me five interesting facts about {t}.",
     "Summarise the key ideas of {t} in a few paragraphs.",
     "What questions should I ask an expert on {t}?",
+    "Tell me a short story that involves {t}.",
+    "What are the pros and cons of {t}?",
+    "How has {t} changed over the last hundred years?",
+    "Write a step-by-step guide to {t}.",
 ]
 CODE_TEMPLATES = [
     "Write a Python function that uses `{name}{sig}` and explain how it works.",
@@ -149,6 +225,35 @@ def _with_system(rng: random.Random, user: str, systems=SYSTEM_PROMPTS) -> list[
     return messages + [{"role": "user", "content": user}]
 
 
+SELF_INSTRUCT_REQUEST = (
+    "Write one question that a curious person might ask an AI assistant about {t}. "
+    "Reply with the question only."
+)
+
+
+def self_instruct_prompts(questions: list[str], seed: int = 0) -> list[Prompt]:
+    """Training chat prompts from questions the target wrote itself (see `SELF_INSTRUCT_REQUEST`);
+    some become two-turn conversations."""
+    rng = random.Random(seed + 2)
+    prompts = []
+    for question in questions:
+        messages = _with_system(rng, question)
+        if rng.random() < 0.15:
+            messages += [
+                {"role": "assistant", "content": ""},
+                {"role": "user", "content": rng.choice(FOLLOW_UPS)},
+            ]
+        prompts.append(Prompt("chat", messages, source="self-instruct"))
+    return prompts
+
+
+def clean_question(text: str) -> str | None:
+    """The question in a generated reply, or None when the reply is not one usable question."""
+    line = text.strip().splitlines()[0].strip() if text.strip() else ""
+    line = re.sub(r"^(question|q)\s*[:.]\s*", "", line, flags=re.I).strip("\"' *")
+    return line if 20 <= len(line) <= 300 and line.endswith("?") else None
+
+
 # -- sources -------------------------------------------------------------------------------------
 
 
@@ -188,17 +293,21 @@ def pydoc_topics() -> Iterator[tuple[str, str]]:
             yield name, text
 
 
-def man_pages(limit: int = 800) -> Iterator[tuple[str, str]]:
-    """(name, plain text) of section 1/5/8 man pages, rendered by man when it is installed.
+@functools.cache
+def man_pages(min_bytes: int = 5000) -> list[tuple[str, str]]:
+    """(name, plain text) of the long section 1/5/8 man pages, rendered by man when installed.
 
-    An even sample of `limit` pages across the alphabet: rendering costs ~40 ms a page.
+    Only files of at least `min_bytes` (compressed) are rendered: rendering costs ~40 ms a page
+    and short pages are no long-context material.
     """
     roots = [Path("/usr/share/man/man1"), Path("/usr/share/man/man5"), Path("/usr/share/man/man8")]
     files = sorted(p for root in roots if root.is_dir() for p in root.iterdir())
-    for path in files[:: max(1, len(files) // limit)]:
+    pages = []
+    for path in tqdm([p for p in files if p.stat().st_size >= min_bytes], desc="man pages"):
         text = _render_man(path)
         if text and len(text) > 9000:  # long-context material: ~2,000+ tokens
-            yield path.name.split(".")[0], text
+            pages.append((path.name.split(".")[0], text))
+    return pages
 
 
 def _render_man(path: Path) -> str:
@@ -267,12 +376,10 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
     for name, sig, doc in stdlib_functions():
         if is_held_out(name) != held_out:
             continue
-        if rng.random() < 0.5:
-            user = rng.choice(CODE_TEMPLATES).format(name=name, sig=sig)
-            prompts.append(Prompt("code", _with_system(rng, user), source="stdlib"))
-        else:
-            user = rng.choice(DOC_TEMPLATES).format(name=name, doc=doc)
-            prompts.append(Prompt("doc", _with_system(rng, user), source="stdlib-doc"))
+        user = rng.choice(CODE_TEMPLATES).format(name=name, sig=sig)
+        prompts.append(Prompt("code", _with_system(rng, user), source="stdlib"))
+        user = rng.choice(DOC_TEMPLATES).format(name=name, doc=doc)
+        prompts.append(Prompt("doc", _with_system(rng, user), source="stdlib-doc"))
 
     for name, text in pydoc_topics():
         if is_held_out("topic:" + name) != held_out:

@@ -1,0 +1,47 @@
+"""Training prompts: self-instruct questions, the training mix and the held-out split."""
+
+from __future__ import annotations
+
+from specserve.drafter.pipeline import TRAIN_MIX, training_mix
+from specserve.drafter.prompts import Prompt, clean_question, is_held_out, self_instruct_prompts
+
+
+def test_clean_question_keeps_one_question_and_drops_the_rest():
+    assert clean_question('Question: "How do I keep basil alive indoors?"\nIt is hard.') == (
+        "How do I keep basil alive indoors?"
+    )
+    assert clean_question("Here are some tips for growing basil.") is None  # not a question
+    assert clean_question("Why?") is None  # too short to be a useful prompt
+    assert clean_question("") is None
+
+
+def test_self_instruct_prompts_are_chat_with_the_question_last_user_turn():
+    questions = [f"What is the best way to learn topic number {i}?" for i in range(200)]
+    prompts = self_instruct_prompts(questions)
+    assert [p.kind for p in prompts] == ["chat"] * 200
+    first_users = [next(m["content"] for m in p.messages if m["role"] == "user") for p in prompts]
+    assert first_users == questions
+    two_turn = [p for p in prompts if any(m["role"] == "assistant" for m in p.messages)]
+    assert 0 < len(two_turn) < 100  # some, not most, become two-turn conversations
+    for p in two_turn:  # the assistant turn is left for the target to write
+        assert p.messages[-2] == {"role": "assistant", "content": ""}
+
+
+def test_training_mix_takes_each_kinds_share_and_is_reproducible():
+    prompts = [
+        Prompt(kind, [{"role": "user", "content": f"{kind} {i}"}])
+        for kind in TRAIN_MIX
+        for i in range(1000)
+    ]
+    chosen = training_mix(prompts, 400)
+    counts = {kind: sum(p.kind == kind for p in chosen) for kind in TRAIN_MIX}
+    assert counts == {kind: round(share * 400) for kind, share in TRAIN_MIX.items()}
+    assert training_mix(prompts, 400) == chosen
+    assert training_mix(prompts, 400, seed=1) != chosen
+
+
+def test_held_out_split_is_about_a_fifth_and_stable():
+    keys = [f"item {i}" for i in range(5000)]
+    held = [k for k in keys if is_held_out(k)]
+    assert 800 < len(held) < 1200
+    assert held == [k for k in keys if is_held_out(k)]

@@ -1,0 +1,27 @@
+"""The vLLM fixes: the replacement expansion, and that vLLM's own plugin loader applies it."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine import vllm_fixes
+
+
+def test_expand_repeats_each_requests_value_over_its_tokens_keeping_the_dtype():
+    temperature = torch.tensor([0.0, 0.7, 1.3], dtype=torch.float32)
+    cu_num_tokens = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = vllm_fixes.expand_batch_to_tokens(temperature, cu_num_tokens, 6, 0, 1)
+    assert out.dtype == torch.float32  # 0.7 must not be truncated through an integer type
+    assert out.tolist() == torch.tensor([1, 1, 0.7, 0.7, 0.7, 1.3]).tolist()
+
+    top_k = torch.tensor([5, 0, 50], dtype=torch.int32)
+    out = vllm_fixes.expand_batch_to_tokens(top_k, torch.tensor([1, 1, 4]), 4)
+    assert out.dtype == torch.int32 and out.tolist() == [5, 50, 50, 50]  # request 1 drafted none
+
+
+def test_vllms_plugin_loader_installs_the_fix_on_this_cpu():
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.sample import rejection_sampler
+
+    load_general_plugins()
+    assert rejection_sampler.expand_batch_to_tokens is vllm_fixes.expand_batch_to_tokens

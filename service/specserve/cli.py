@@ -109,6 +109,7 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
 
 
 def _drafter(args: argparse.Namespace) -> int:
+    from specserve.drafter.evaluate import evaluate, markdown_table, write_report
     from specserve.models import prepare_model
     from specserve.settings import get_settings
 
@@ -119,15 +120,15 @@ def _drafter(args: argparse.Namespace) -> int:
 
         work = args.work_dir or get_settings().cache_dir / "drafters"
         config = PipelineConfig(work, target, max_train_prompts=args.prompts, ship=args.ship)
-        run(config, TrainConfig(epochs=args.epochs))
+        print(markdown_table(run(config, TrainConfig(epochs=args.epochs))))
         return 0
-    from specserve.drafter.evaluate import evaluate, write_report
     from specserve.drafter.pipeline import eval_sets
 
     drafters = dict(item.split("=", 1) for item in args.drafters)
     results = evaluate(target, drafters, eval_sets(args.per_set), ks=tuple(args.k))
     if args.out:
         write_report(results, args.out)
+    print(markdown_table([r.to_dict() for r in results]))
     return 0
 
 

@@ -123,3 +123,31 @@ def _row(a: Acceptance) -> str:
 
 def write_report(results: list[Acceptance], out: Path) -> None:
     out.write_text(json.dumps([r.to_dict() for r in results], indent=2))
+
+
+def markdown_table(report: list[dict]) -> str:
+    """BENCHMARKS.md's table from a report (`write_report`'s JSON): one row per set and k, the
+    last drafter compared with the first (EAGLE-3.1 with EAGLE-3 in the pipeline's report)."""
+    names = list(dict.fromkeys(r["drafter"] for r in report))
+    baseline, variant = names[0], names[-1]
+    by_key = {(r["drafter"], r["k"], r["prompt_set"]): r for r in report}
+    lines = [
+        f"| prompt set | n | k | {baseline} mean acc. length | {variant} mean acc. length "
+        f"| {variant} / {baseline} | {baseline} rate | {variant} rate | {variant} per-position |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    keys = sorted(
+        ((r["k"], r["prompt_set"]) for r in report if r["drafter"] == variant), key=lambda x: x[0]
+    )
+    for k, prompt_set in keys:
+        b, v = by_key.get((baseline, k, prompt_set)), by_key[(variant, k, prompt_set)]
+        if b is None:
+            continue
+        ratio = v["mean_acceptance_length"] / b["mean_acceptance_length"]
+        positions = ", ".join(f"{p:.2f}" for p in v["per_position_rate"])
+        lines.append(
+            f"| {prompt_set} | {v['prompts']} | {k} | {b['mean_acceptance_length']:.2f} "
+            f"| {v['mean_acceptance_length']:.2f} | {ratio:.2f}x | {b['acceptance_rate']:.2f} "
+            f"| {v['acceptance_rate']:.2f} | {positions} |"
+        )
+    return "\n".join(lines)

@@ -37,7 +37,7 @@ def _log(message: str) -> None:
     print(f"[drafters {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(config: PipelineConfig, train_config=None) -> dict:
+def run(config: PipelineConfig, train_config=None) -> list[dict]:
     from specserve.drafter.data import capture_features, generate_answers, generate_questions
     from specserve.drafter.model import DrafterConfig
     from specserve.drafter.train import TrainConfig, load_records, new_drafter, train

@@ -1,4 +1,5 @@
-"""Training prompts: self-instruct questions, the training mix and the held-out split."""
+"""Drafter pipeline pieces: self-instruct questions, the training mix, the held-out split and
+the report table."""
 
 from __future__ import annotations
 
@@ -45,3 +46,17 @@ def test_held_out_split_is_about_a_fifth_and_stable():
     held = [k for k in keys if is_held_out(k)]
     assert 800 < len(held) < 1200
     assert held == [k for k in keys if is_held_out(k)]
+
+
+def test_markdown_table_compares_the_last_drafter_with_the_first():
+    from specserve.drafter.evaluate import Acceptance, markdown_table
+
+    report = [
+        Acceptance(name, k, "chat", 2, 100, 100 * k, accepted, [accepted] + [0] * (k - 1)).to_dict()
+        for k in (5, 3)
+        for name, accepted in (("eagle3", 50), ("eagle3.1", 75))
+    ]
+    lines = markdown_table(report).splitlines()
+    assert "eagle3 mean acc. length | eagle3.1 mean acc. length" in lines[0]
+    assert lines[2].startswith("| chat | 2 | 3 | 1.50 | 1.75 | 1.17x |")  # k = 3 first
+    assert lines[3].startswith("| chat | 2 | 5 | 1.50 | 1.75 | 1.17x |")

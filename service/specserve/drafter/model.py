@@ -202,26 +202,31 @@ class Drafter(nn.Module):
         (embedding input_ids[:, t + j], hidden from step j-1 at index t) and predicts the token
         after that. Its query sees step 0's keys at indices <= t (the context, built from target
         states) and steps 1..j's keys at index t (its own earlier drafts): the attention pattern
-        vLLM has when drafting. Returns one (B, T - logits_from, V_draft) tensor per step:
-        training skips the lm_head where there is nothing to learn (the prompt).
+        vLLM has when drafting. Returns one (B, T - logits_from, V_draft) tensor per step.
+        Only step 0 runs over the whole sequence (its keys are everyone's context); later steps
+        run from index `logits_from` on, which training sets to skip the prompt.
         """
         B, T, _ = aux.shape
+        f = logits_from
         attn = self.midlayer.self_attn
         hidden = self.combine(aux)  # (B, T, H)
-        base = torch.arange(T, device=aux.device).expand(B, T)
+        positions = torch.arange(T, device=aux.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()
-        diagonal = torch.eye(T, dtype=torch.bool, device=aux.device)
+        diagonal = torch.eye(T - f, dtype=torch.bool, device=aux.device)
         keys, values, logits = [], [], []
         for j in range(steps):
-            embeds = self.embed_tokens(input_ids[:, j : j + T])
+            rows = slice(0 if j == 0 else f, T)  # step 0: every index; later: index >= f
+            embeds = self.embed_tokens(input_ids[:, rows.start + j : T + j])
             x, residual = self.layer_inputs(embeds, hidden)
-            q, k, v = attn.project(x, base + j)
+            q, k, v = attn.project(x, positions[:, rows] + j)
             keys.append(k)
             values.append(v)
-            mask = torch.cat([causal] + [diagonal] * j, dim=1)  # (T, T * (j + 1))
+            mask = torch.cat([causal[rows]] + [diagonal] * j, dim=1)  # (rows, T + j * (T - f))
             out = attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
             normed, prenorm = self.layer_outputs(out, residual)
-            logits.append(self.lm_head(normed[:, logits_from:]))
+            if j == 0:
+                normed, prenorm = normed[:, f:], prenorm[:, f:]
+            logits.append(self.lm_head(normed))
             hidden = self.next_hidden(normed, prenorm)
         return logits
 

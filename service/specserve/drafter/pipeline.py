@@ -7,6 +7,7 @@ vocabulary, steps and seed, so the comparison is fair.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import random
@@ -59,8 +60,11 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     ).aux_layer_ids
     _log("capturing target hidden states")
     shards = capture_features(answers, config.target_dir, work / "features", aux_layers)
-    records = load_records(shards)
-    _log(f"{len(records)} sequences, {sum(r['input_ids'].numel() for r in records)} tokens")
+    records, validation = split_validation(load_records(shards))
+    _log(
+        f"{len(records)} training sequences, {sum(r['input_ids'].numel() for r in records)} "
+        f"tokens; {len(validation)} validation sequences"
+    )
 
     exported = {}
     for name, switches in VARIANTS.items():
@@ -69,13 +73,20 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             model = new_drafter(
                 config.target_dir, records, draft_vocab_size=config.draft_vocab_size, **switches
             )
-            train(model, records, out, replace(train_config), desc=f"train {name}")
+            train(
+                model,
+                records,
+                out,
+                replace(train_config),
+                validation=validation,
+                desc=f"train {name}",
+            )
             model.export(out / "export")
         exported[name] = str(out / "export")
 
     report = work / "eval.json"
     if not report.exists():
-        del records  # the evaluation's engines need the memory
+        del records, validation  # the evaluation's engines need the memory
         _isolated(_evaluate, config, exported, report)
     if config.ship:
         for name, path in exported.items():
@@ -131,6 +142,16 @@ def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Promp
         chosen += [p for p in shuffled if p.kind == kind][: round(share * total)]
     random.Random(seed + 1).shuffle(chosen)
     return chosen
+
+
+def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], list[dict]]:
+    """Hold one sequence in `share` out of training, chosen by content (stable across runs)."""
+    training: list[dict] = []
+    validation: list[dict] = []
+    for record in records:
+        digest = hashlib.sha1(record["input_ids"].numpy().tobytes()).digest()
+        (validation if digest[0] % share == 0 else training).append(record)
+    return training, validation
 
 
 def eval_sets(per_set: int) -> dict[str, list[list[dict]]]:

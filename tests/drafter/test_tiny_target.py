@@ -44,16 +44,33 @@ def tiny_target(tmp_path_factory):
     return str(out)
 
 
-@pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])
-def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
-    conversations = tmp_path / "answers.jsonl"
-    with conversations.open("w") as f:
-        for i in range(6):
+def write_conversations(path: Path, count: int = 6) -> Path:
+    with path.open("w") as f:
+        for i in range(count):
             messages = [
                 {"role": "user", "content": f"Question {i}: count to five."},
                 {"role": "assistant", "content": "one two three four five " * (i + 2)},
             ]
             f.write(json.dumps({"kind": "chat", "messages": messages}) + "\n")
+    return path
+
+
+def test_capture_resumes_only_for_the_same_conversations(tiny_target, tmp_path):
+    features = tmp_path / "features"
+    conversations = write_conversations(tmp_path / "answers.jsonl")
+    first = load_records(capture_features(conversations, tiny_target, features, (2, 4, 5)))
+    shard = features / "shard-0000.pt"
+    captured_at = shard.stat().st_mtime_ns
+    capture_features(conversations, tiny_target, features, (2, 4, 5))
+    assert shard.stat().st_mtime_ns == captured_at  # resumed: nothing recomputed
+    write_conversations(conversations, count=4)
+    again = load_records(capture_features(conversations, tiny_target, features, (2, 4, 5)))
+    assert (len(first), len(again)) == (6, 4)  # new answers: captured anew, not stale shards
+
+
+@pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])
+def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
+    conversations = write_conversations(tmp_path / "answers.jsonl")
     from transformers import AutoConfig
 
     from specserve.drafter.model import DrafterConfig

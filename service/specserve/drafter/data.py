@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -119,14 +121,27 @@ def capture_features(
     *,
     max_len: int = 3072,
 ) -> list[Path]:
-    """Write shards of {input_ids, aux, answer_start} per conversation; resumes by shard."""
+    """Write shards of {input_ids, aux, answer_start} per conversation; resumes by shard.
+
+    Shards are only reused for the conversations and layers they were captured from: new
+    answers (a bigger `--prompts`, say) start the capture over instead of mixing in stale data."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    text = conversations.read_text()
+    source = {
+        "conversations_sha1": hashlib.sha1(text.encode()).hexdigest(),
+        "aux_layer_ids": list(aux_layer_ids),
+        "max_len": max_len,
+    }
+    stamp = out_dir / "source.json"
+    if out_dir.exists() and (not stamp.exists() or json.loads(stamp.read_text()) != source):
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(source))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    rows = [json.loads(line) for line in conversations.read_text().splitlines()]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in text.splitlines()]
     shards = []
     for start in tqdm(range(0, len(rows), SHARD_SEQUENCES), desc="capturing hidden states"):
         path = out_dir / f"shard-{start // SHARD_SEQUENCES:04d}.pt"

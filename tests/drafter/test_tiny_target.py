@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.drafter.data import capture_features
+from specserve.drafter.data import answered, capture_features
 from specserve.drafter.model import Drafter
+from specserve.drafter.pipeline import _isolated
+from specserve.drafter.prompts import Prompt
 from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
 from specserve.models import resolve_model_source
 
@@ -35,7 +37,7 @@ def tiny_target(tmp_path_factory):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,  # the generation engine's context
         tie_word_embeddings=True,
     )
     out = tmp_path_factory.mktemp("tiny-target")
@@ -55,17 +57,51 @@ def write_conversations(path: Path, count: int = 6) -> Path:
     return path
 
 
+PROMPTS = [
+    Prompt("chat", [{"role": "user", "content": "Say hi."}]),
+    Prompt(
+        "chat",
+        [
+            {"role": "user", "content": "Count to three."},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "Again, slower."},
+        ],
+    ),
+    Prompt("long", [{"role": "user", "content": "word " * 5000}]),  # over the context
+]
+
+
+def _answer(target: str, out: str) -> None:
+    from specserve.drafter.data import generate_answers, target_llm
+
+    rows = generate_answers(target_llm(target), PROMPTS, max_tokens=8)
+    Path(out).write_text(json.dumps(rows))
+
+
+def test_answers_are_written_turn_by_turn_and_too_long_prompts_stay_unanswered(
+    tiny_target, tmp_path
+):
+    _isolated(_answer, tiny_target, str(tmp_path / "rows.json"))  # vLLM in a child process
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [answered(row) for row in rows] == [True, True, False]
+    turns = rows[1]["messages"]
+    assert [m["role"] for m in turns] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"] for m in turns)
+    assert rows[2]["messages"] == PROMPTS[2].messages  # kept as asked, so not asked again
+
+
 def test_capture_resumes_only_for_the_same_conversations(tiny_target, tmp_path):
     features = tmp_path / "features"
     conversations = write_conversations(tmp_path / "answers.jsonl")
-    first = load_records(capture_features(conversations, tiny_target, features, (2, 4, 5)))
-    shard = features / "shard-0000.pt"
-    captured_at = shard.stat().st_mtime_ns
-    capture_features(conversations, tiny_target, features, (2, 4, 5))
-    assert shard.stat().st_mtime_ns == captured_at  # resumed: nothing recomputed
+    shards = capture_features(conversations, tiny_target, features, (2, 4, 5))
+    assert len(load_records(shards)) == 6
+    captured_at = shards[0].stat().st_mtime_ns
+    assert capture_features(conversations, tiny_target, features, (2, 4, 5)) == shards
+    assert shards[0].stat().st_mtime_ns == captured_at  # resumed: nothing recomputed
     write_conversations(conversations, count=4)
-    again = load_records(capture_features(conversations, tiny_target, features, (2, 4, 5)))
-    assert (len(first), len(again)) == (6, 4)  # new answers: captured anew, not stale shards
+    again = capture_features(conversations, tiny_target, features, (2, 4, 5))
+    assert len(load_records(again)) == 4
+    assert list(features.glob("shard-*.pt")) == again  # new answers: the stale shard is gone
 
 
 @pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])

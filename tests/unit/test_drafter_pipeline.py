@@ -74,3 +74,27 @@ def test_isolated_stage_runs_in_a_child_and_its_failure_is_raised(tmp_path):
     assert marker.read_text() == "child"
     with pytest.raises(RuntimeError, match="exit code 3"):
         _isolated(sys.exit, 3)
+
+
+def test_answers_are_reused_by_prompt_and_only_new_prompts_are_answered():
+    from specserve.drafter.data import reuse_answers
+
+    def prompt(i: int) -> Prompt:
+        messages = [
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": ""},  # written by the target, turn by turn
+            {"role": "user", "content": "And then?"},
+        ]
+        return Prompt("chat", messages)
+
+    def row(i: int) -> dict:
+        messages = [dict(m) for m in prompt(i).messages]
+        messages[1]["content"] = f"first answer {i}"
+        return {"kind": "chat", "messages": [*messages, {"role": "assistant", "content": "a"}]}
+
+    old = [row(3), row(1), row(2)]
+    kept, missing = reuse_answers(old, [prompt(i) for i in (1, 2, 3, 4, 5)])
+    assert kept == old  # the old order: their captured shards stay valid
+    assert [p.messages[0]["content"] for p in missing] == ["q4", "q5"]
+    kept, missing = reuse_answers(old, [prompt(1), prompt(3)])
+    assert kept == [row(3), row(1)] and missing == []

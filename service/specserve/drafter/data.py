@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,48 +63,67 @@ def generate_questions(llm, topics: list[str], out: Path, *, per_topic: int = 8)
     return out
 
 
-def generate_answers(llm, prompts: list[Prompt], out: Path, *, max_tokens: int = 256) -> Path:
-    """Answer every prompt with the target (greedy); write JSONL conversations to `out`."""
+def generate_answers(llm, prompts: list[Prompt], *, max_tokens: int = 256) -> list[dict]:
+    """Answer every prompt with the target (greedy), turn by turn: one row per prompt,
+    {kind, source, messages}. A conversation that outgrows the context ends on its user turn,
+    unanswered (kept, so it is not tried again; capture skips it)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     conversations: list[Any] = [[dict(m) for m in p.messages] for p in prompts]
     tokenizer = llm.get_tokenizer()
     budget = GENERATION_MAX_MODEL_LEN - max_tokens - 8
-    # Turn by turn: an empty assistant message is a turn the target has not written yet.
-    while True:
-        pending = [
-            (
-                i,
-                c[
-                    : next(
-                        j for j, m in enumerate(c) if m["role"] == "assistant" and not m["content"]
-                    )
-                ],
+    active = set(range(len(conversations)))
+    while active:
+        # The first unwritten turn of each: an empty assistant message, else the final answer.
+        batch = []
+        for i in sorted(active):
+            c = conversations[i]
+            blank = next(
+                (j for j, m in enumerate(c) if m["role"] == "assistant" and not m["content"]), None
             )
-            for i, c in enumerate(conversations)
-            if any(m["role"] == "assistant" and not m["content"] for m in c)
-        ]
-        final = [(i, c) for i, c in enumerate(conversations) if c[-1]["role"] == "user"]
-        batch = pending or final
-        if not batch:
-            break
-        batch = [(i, c) for i, c in batch if _fits(tokenizer, c, budget)]
-        outputs = llm.chat([c for _, c in batch], params, use_tqdm=True)
-        for (i, prefix), output in zip(batch, outputs, strict=True):
+            prefix = c[:blank] if blank is not None else c
+            if _fits(tokenizer, prefix, budget):
+                batch.append((i, prefix, blank))
+            else:
+                conversations[i] = prefix
+                active.discard(i)
+        outputs = llm.chat([prefix for _, prefix, _ in batch], params, use_tqdm=True)
+        for (i, _, blank), output in zip(batch, outputs, strict=True):
             text = output.outputs[0].text
-            if pending:
-                conversations[i][len(prefix)]["content"] = text or "OK."
+            if blank is not None:
+                conversations[i][blank]["content"] = text or "OK."
             else:
                 conversations[i].append({"role": "assistant", "content": text})
-        if not pending:
-            break
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for p, c in zip(prompts, conversations, strict=True):
-            if c[-1]["role"] == "assistant" and c[-1]["content"]:
-                f.write(json.dumps({"kind": p.kind, "source": p.source, "messages": c}) + "\n")
-    return out
+                active.discard(i)
+    return [
+        {"kind": p.kind, "source": p.source, "messages": c}
+        for p, c in zip(prompts, conversations, strict=True)
+    ]
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """A conversation's identity as a prompt: its turns up to the last user turn, with the
+    assistant turns blanked (generation fills them in), so an answered row matches its prompt."""
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    turns = [
+        {"role": m["role"], "content": "" if m["role"] == "assistant" else m["content"]}
+        for m in messages[: last_user + 1]
+    ]
+    return json.dumps(turns, sort_keys=True)
+
+
+def reuse_answers(rows: list[dict], prompts: list[Prompt]) -> tuple[list[dict], list[Prompt]]:
+    """-> the rows still wanted, in their order (their captured shards stay valid), and the
+    prompts that have no row yet."""
+    wanted = {prompt_key(p.messages) for p in prompts}
+    kept = [row for row in rows if prompt_key(row["messages"]) in wanted]
+    have = {prompt_key(row["messages"]) for row in kept}
+    return kept, [p for p in prompts if prompt_key(p.messages) not in have]
+
+
+def answered(row: dict) -> bool:
+    return row["messages"][-1]["role"] == "assistant" and bool(row["messages"][-1]["content"])
 
 
 def _fits(tokenizer, messages, budget: int) -> bool:
@@ -121,33 +139,27 @@ def capture_features(
     *,
     max_len: int = 3072,
 ) -> list[Path]:
-    """Write shards of {input_ids, aux, answer_start} per conversation; resumes by shard.
+    """Write shards of {input_ids, aux, answer_start} per answered conversation.
 
-    Shards are only reused for the conversations and layers they were captured from: new
-    answers (a bigger `--prompts`, say) start the capture over instead of mixing in stale data."""
+    A shard's name carries a digest of its conversations and layers: it is reused only for
+    exactly those (so appended answers reuse the shards before them), and stale shards go."""
+    rows = [json.loads(line) for line in conversations.read_text().splitlines()]
+    rows = [row for row in rows if answered(row)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = shard_paths(rows, out_dir, aux_layer_ids, max_len)
+    for stale in set(out_dir.glob("shard-*.pt")) - set(shards):
+        stale.unlink()
+    todo = [i for i, path in enumerate(shards) if not path.exists()]
+    if not todo:
+        return shards
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    text = conversations.read_text()
-    source = {
-        "conversations_sha1": hashlib.sha1(text.encode()).hexdigest(),
-        "aux_layer_ids": list(aux_layer_ids),
-        "max_len": max_len,
-    }
-    stamp = out_dir / "source.json"
-    if out_dir.exists() and (not stamp.exists() or json.loads(stamp.read_text()) != source):
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps(source))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    rows = [json.loads(line) for line in text.splitlines()]
-    shards = []
-    for start in tqdm(range(0, len(rows), SHARD_SEQUENCES), desc="capturing hidden states"):
-        path = out_dir / f"shard-{start // SHARD_SEQUENCES:04d}.pt"
-        shards.append(path)
-        if path.exists():
-            continue
+    for index in tqdm(todo, desc="capturing hidden states"):
+        path, start = shards[index], index * SHARD_SEQUENCES
         records = []
         for row in tqdm(rows[start : start + SHARD_SEQUENCES], leave=False):
             messages = row["messages"]
@@ -174,6 +186,17 @@ def capture_features(
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
     return shards
+
+
+def shard_paths(
+    rows: list[dict], out_dir: Path, aux_layer_ids: tuple[int, ...], max_len: int
+) -> list[Path]:
+    paths = []
+    for start in range(0, len(rows), SHARD_SEQUENCES):
+        source = [rows[start : start + SHARD_SEQUENCES], list(aux_layer_ids), max_len]
+        digest = hashlib.sha1(json.dumps(source).encode()).hexdigest()[:12]
+        paths.append(out_dir / f"shard-{start // SHARD_SEQUENCES:04d}-{digest}.pt")
+    return paths
 
 
 def _ids(encoded) -> list[int]:

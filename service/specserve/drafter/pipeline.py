@@ -50,8 +50,7 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     train_config = train_config or TrainConfig()
 
     answers = work / "answers.jsonl"
-    if not answers.exists():
-        _isolated(_self_distill, config)
+    _isolated(_self_distill, config)  # a no-op when every training prompt has its answer
 
     from transformers import AutoConfig
 
@@ -108,21 +107,41 @@ def _isolated(stage, *args) -> None:
 
 
 def _self_distill(config: PipelineConfig) -> None:
-    """Questions written by the target (self-instruct), then its answers to the training mix."""
-    from specserve.drafter.data import generate_answers, generate_questions, target_llm
+    """Questions written by the target (self-instruct), then its answers to the training mix.
 
-    llm = target_llm(config.target_dir)
+    Answers already in the work directory are kept (in their order) and only new prompts are
+    answered, so a bigger `--prompts` adds data instead of silently reusing the old."""
+    from specserve.drafter.data import (
+        generate_answers,
+        generate_questions,
+        reuse_answers,
+        target_llm,
+    )
+
+    llm = None
     questions = config.work_dir / "questions.jsonl"
     if not questions.exists():
+        llm = target_llm(config.target_dir)
         _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
         generate_questions(llm, CHAT_TOPICS, questions)
     written = [json.loads(line) for line in questions.read_text().splitlines()]
     candidates = build_prompts(held_out=False) + self_instruct_prompts(written)
     prompts = training_mix(candidates, config.max_train_prompts)
-    counts = ", ".join(f"{k} {sum(p.kind == k for p in prompts)}" for k in TRAIN_MIX)
-    _log(f"generating answers for {len(prompts)} training prompts ({counts})")
+
     answers = config.work_dir / "answers.jsonl"
-    generate_answers(llm, prompts, answers, max_tokens=config.max_answer_tokens)
+    old = (
+        [json.loads(line) for line in answers.read_text().splitlines()] if answers.exists() else []
+    )
+    rows, missing = reuse_answers(old, prompts)
+    if missing:
+        counts = ", ".join(f"{k} {sum(p.kind == k for p in missing)}" for k in TRAIN_MIX)
+        _log(f"generating answers for {len(missing)} of {len(prompts)} training prompts ({counts})")
+        llm = llm or target_llm(config.target_dir)
+        rows += generate_answers(llm, missing, max_tokens=config.max_answer_tokens)
+    if rows != old:
+        tmp = answers.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        tmp.rename(answers)
 
 
 def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) -> None:

@@ -8,7 +8,13 @@ import sys
 import pytest
 
 from specserve.drafter.pipeline import TRAIN_MIX, training_mix
-from specserve.drafter.prompts import Prompt, clean_question, is_held_out, self_instruct_prompts
+from specserve.drafter.prompts import (
+    Prompt,
+    clean_question,
+    is_held_out,
+    self_instruct_prompts,
+    shuffled,
+)
 
 
 def test_clean_question_keeps_one_question_and_drops_the_rest():
@@ -43,6 +49,21 @@ def test_training_mix_takes_each_kinds_share_and_is_reproducible():
     assert counts == {kind: round(share * 400) for kind, share in TRAIN_MIX.items()}
     assert training_mix(prompts, 400) == chosen
     assert training_mix(prompts, 400, seed=1) != chosen
+    # Stable under growth: more prompts keep the ones chosen before (their answers are reused),
+    # and one candidate more or less changes nothing else about the choice.
+    keys = {p.messages[0]["content"] for p in chosen}
+    assert keys <= {p.messages[0]["content"] for p in training_mix(prompts, 800)}
+    fewer = {p.messages[0]["content"] for p in training_mix(prompts[1:], 400)}
+    assert len(keys - fewer) <= 1
+
+
+def test_shuffled_order_is_random_but_stable_under_insertion():
+    prompts = [Prompt("chat", [{"role": "user", "content": f"q{i}"}]) for i in range(100)]
+    order = [p.messages[0]["content"] for p in shuffled(prompts, "s")]
+    assert order != [f"q{i}" for i in range(100)]
+    extra = Prompt("chat", [{"role": "user", "content": "new"}])
+    grown = [p.messages[0]["content"] for p in shuffled([*prompts, extra], "s")]
+    assert [k for k in grown if k != "new"] == order
 
 
 def test_held_out_split_is_about_a_fifth_and_stable():

@@ -10,13 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import random
 import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specserve.drafter.prompts import CHAT_TOPICS, Prompt, build_prompts, self_instruct_prompts
+from specserve.drafter.prompts import (
+    CHAT_TOPICS,
+    Prompt,
+    build_prompts,
+    self_instruct_prompts,
+    shuffled,
+)
 from specserve.models import PACKAGED_DRAFTERS_DIR
 
 VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
@@ -118,6 +123,7 @@ def _self_distill(config: PipelineConfig) -> None:
         target_llm,
     )
 
+    candidates = build_prompts(held_out=False)  # before any engine: the same in every run
     llm = None
     questions = config.work_dir / "questions.jsonl"
     if not questions.exists():
@@ -125,7 +131,7 @@ def _self_distill(config: PipelineConfig) -> None:
         _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
         generate_questions(llm, CHAT_TOPICS, questions)
     written = [json.loads(line) for line in questions.read_text().splitlines()]
-    candidates = build_prompts(held_out=False) + self_instruct_prompts(written)
+    candidates += self_instruct_prompts(written)
     prompts = training_mix(candidates, config.max_train_prompts)
 
     answers = config.work_dir / "answers.jsonl"
@@ -153,14 +159,13 @@ def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) ->
 
 
 def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Prompt]:
-    """Up to `total` prompts, each kind taking its `TRAIN_MIX` share, in a seeded random order."""
-    shuffled = list(prompts)
-    random.Random(seed).shuffle(shuffled)
+    """Up to `total` prompts, each kind taking its `TRAIN_MIX` share, in a seeded random order.
+    A bigger `total` keeps every prompt a smaller one chose (its answers are reused)."""
+    ordered = shuffled(prompts, f"mix:{seed}")
     chosen = []
     for kind, share in TRAIN_MIX.items():
-        chosen += [p for p in shuffled if p.kind == kind][: round(share * total)]
-    random.Random(seed + 1).shuffle(chosen)
-    return chosen
+        chosen += [p for p in ordered if p.kind == kind][: round(share * total)]
+    return shuffled(chosen, f"mix-order:{seed}")
 
 
 def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], list[dict]]:

@@ -15,6 +15,7 @@ import functools
 import gzip
 import hashlib
 import inspect
+import json
 import pkgutil
 import random
 import re
@@ -356,8 +357,12 @@ def package_docs() -> Iterator[tuple[str, str]]:
 
 
 def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> list[Prompt]:
-    """All prompts of one side (training or held-out evaluation), shuffled reproducibly."""
-    rng = random.Random(seed + (1 if held_out else 0))
+    """All prompts of one side (training or held-out evaluation), in a reproducible random order.
+
+    Every item draws its template and system prompt from its own generator and the order is by
+    a hash of each prompt, so one item more or less (a module that does not import here, a man
+    page that failed to render) changes nothing about the others."""
+    side = f"{seed}:{'held-out' if held_out else 'train'}"
     prompts: list[Prompt] = []
 
     for topic in CHAT_TOPICS:
@@ -365,6 +370,7 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
             user = template.format(t=topic)
             if is_held_out(user) != held_out:
                 continue
+            rng = _item_rng(side, user)
             messages = _with_system(rng, user)
             if rng.random() < 0.15:  # multi-turn: the assistant turn is filled in later
                 messages += [
@@ -376,6 +382,7 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
     for name, sig, doc in stdlib_functions():
         if is_held_out(name) != held_out:
             continue
+        rng = _item_rng(side, name)
         user = rng.choice(CODE_TEMPLATES).format(name=name, sig=sig)
         prompts.append(Prompt("code", _with_system(rng, user), source="stdlib"))
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=doc)
@@ -384,27 +391,45 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
     for name, text in pydoc_topics():
         if is_held_out("topic:" + name) != held_out:
             continue
+        rng = _item_rng(side, "topic:" + name)
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text[:2500])
         prompts.append(Prompt("doc", _with_system(rng, user), source="pydoc-topics"))
 
     for name, text in package_docs():
         if is_held_out("pkg:" + name) != held_out:
             continue
+        rng = _item_rng(side, "pkg:" + name)
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text)
         prompts.append(Prompt("doc", _with_system(rng, user), source="packages"))
 
     for name, text in man_pages():
         if is_held_out("man:" + name) != held_out:
             continue
+        rng = _item_rng(side, "man:" + name)
         user = rng.choice(LONG_TEMPLATES).format(doc=text[:long_chars])
         prompts.append(Prompt("long", _with_system(rng, user), source="man"))
 
     if held_out:  # the same kinds of request under system prompts never seen in training
-        chat = [p for p in prompts if p.kind in ("chat", "code")]
-        for p in rng.sample(chat, min(len(chat), 60)):
+        chat = shuffled([p for p in prompts if p.kind in ("chat", "code")], side + ":perturbed")
+        for p in chat[:60]:
             user = next(m["content"] for m in p.messages if m["role"] == "user")
-            messages = _with_system(rng, user, PERTURBED_SYSTEM_PROMPTS)
+            messages = _with_system(
+                _item_rng(side, "perturbed:" + user), user, PERTURBED_SYSTEM_PROMPTS
+            )
             prompts.append(Prompt("perturbed", messages, source=p.source))
 
-    rng.shuffle(prompts)
-    return prompts
+    return shuffled(prompts, side)
+
+
+def _item_rng(side: str, key: str) -> random.Random:
+    return random.Random(f"{side}:{key}")  # str seeds are hashed stably across processes
+
+
+def shuffled(prompts: list[Prompt], seed: str) -> list[Prompt]:
+    """A random order that is stable under adding or removing items: by a hash of each prompt."""
+
+    def rank(p: Prompt) -> str:
+        text = json.dumps(p.messages, sort_keys=True)
+        return hashlib.sha1(f"{seed}:{text}".encode()).hexdigest()
+
+    return sorted(prompts, key=rank)

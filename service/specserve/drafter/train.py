@@ -6,7 +6,7 @@ own greedy tokens on the answer part, weighted per step. AdamW with linear warm-
 decay, gradient clipping, bf16 autocast on CPU, fixed seeds, and a checkpoint every
 `checkpoint_every` optimizer steps that `train` resumes from. Given validation sequences (never
 trained on), it measures their offline acceptance every `validate_every` updates and ends on the
-best weights seen (early stopping): with ~0.5M answer tokens a drafter over-fits within 2 epochs.
+best weights seen (early stopping), so a longer run can never end worse than its best point.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ def train(
     model.train()
     weights = [config.step_weight_decay**j for j in range(config.steps)]
     running = [0.0] * config.steps  # top-1 per step, averaged over recent updates
+    start = update  # a resumed run averages from where it resumed
     while update < total_updates:
         tokens, loss_sum, correct, counted = 0, 0.0, [0] * config.steps, [0] * config.steps
         optimizer.zero_grad(set_to_none=True)
@@ -194,7 +195,7 @@ def train(
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
         update += 1
-        smoothing = min(0.98, 1 - 1 / update)  # a plain mean for the first updates
+        smoothing = min(0.98, 1 - 1 / (update - start))  # a plain mean for the first updates
         running = [
             smoothing * r + (1 - smoothing) * c / max(n, 1)
             for r, c, n in zip(running, correct, counted, strict=True)

@@ -66,17 +66,23 @@ class Live:
         return self.http.get("/ready").json()["revision"]
 
     def write_config(self, text: str, *, expect_applied: bool = True, timeout_s: float = 30) -> str:
-        """Replace the config file; wait until the router serves it (or has rejected it)."""
-        from specserve.config import revision_of
+        """Replace the config file; wait until the router has applied (or rejected) it.
 
-        before = self.metric("specserve_config_reloads_total")
+        The watcher counts one reload per change it sees, so the wait is on that count: the
+        served revision alone may already equal `text` (a restore after a rejected file), and
+        returning early would let the pending reload land in the next test's measurements.
+        """
+        from specserve.config import revision_of
+        from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
+
+        result = RELOAD_APPLIED if expect_applied else RELOAD_INVALID
+        before = self.metric("specserve_config_reloads_total", result=result)
         self.config_path.write_text(text)
         new = revision_of(text.encode())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if expect_applied and self.revision() == new:
-                return new
-            if not expect_applied and self.metric("specserve_config_reloads_total") > before:
+            reloaded = self.metric("specserve_config_reloads_total", result=result) > before
+            if reloaded and (not expect_applied or self.revision() == new):
                 return new
             time.sleep(0.2)
         raise AssertionError(f"config revision {new} not picked up in {timeout_s} s")

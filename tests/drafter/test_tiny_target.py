@@ -14,7 +14,13 @@ from specserve.drafter.data import answered, capture_features
 from specserve.drafter.model import Drafter
 from specserve.drafter.pipeline import _isolated
 from specserve.drafter.prompts import Prompt
-from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
+from specserve.drafter.train import (
+    TrainConfig,
+    captured_rms,
+    load_records,
+    new_drafter,
+    train,
+)
 from specserve.models import resolve_model_source
 
 pytestmark = pytest.mark.slow
@@ -117,6 +123,9 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     assert records and records[0]["aux"].shape[-1] == 3 * 128
 
     model = new_drafter(tiny_target, records, draft_vocab_size=512, **switches)
+    if model.fc_norm is not None:  # each norm starts at its layer's scale
+        scales = [float(norm.weight.mean()) for norm in model.fc_norm]
+        assert scales == pytest.approx(captured_rms(records, 3), rel=1e-5)
     config = TrainConfig(epochs=4, tokens_per_update=64, lr=3e-3, checkpoint_every=5)
     train(model, records, tmp_path / "run", config)
     assert (tmp_path / "run" / "checkpoint.pt").exists()

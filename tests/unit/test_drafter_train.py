@@ -8,7 +8,7 @@ import torch
 
 from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.drafter.pipeline import split_validation
-from specserve.drafter.train import TrainConfig, offline_acceptance, train
+from specserve.drafter.train import TrainConfig, captured_rms, offline_acceptance, train
 
 TINY = DrafterConfig(
     hidden_size=32,
@@ -45,6 +45,15 @@ def test_offline_acceptance_chains_steps():
     assert all(c <= s + 1e-6 for c, s in zip(result.chain, result.step_top1, strict=True))
     assert result.chain == sorted(result.chain, reverse=True)
     assert result.mean_acceptance_length == 1 + sum(result.chain)
+
+
+def test_captured_rms_measures_each_layer_on_its_own():
+    g = torch.Generator().manual_seed(0)
+    records = [
+        {"aux": torch.cat([scale * torch.randn(30, 64, generator=g) for scale in (1, 5, 20)], -1)}
+        for _ in range(4)
+    ]
+    assert captured_rms(records, 3) == pytest.approx([1, 5, 20], rel=0.05)
 
 
 def test_training_learns_validates_and_ends_on_the_best_weights(tmp_path):

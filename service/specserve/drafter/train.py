@@ -242,10 +242,25 @@ def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in state.items()}
 
 
+def captured_rms(records: list[dict], layers: int, sample: int = 200) -> list[float]:
+    """Mean per-token RMS of each captured layer's hidden states (first `sample` sequences)."""
+    totals, count = torch.zeros(layers), 0
+    for record in records[:sample]:
+        chunks = record["aux"].float().chunk(layers, dim=-1)
+        totals += torch.stack([x.pow(2).mean(-1).sqrt().sum() for x in chunks])
+        count += record["aux"].shape[0]
+    return (totals / max(count, 1)).tolist()
+
+
 def new_drafter(
     target_dir: str, records: list[dict], *, draft_vocab_size: int, **switches: bool
 ) -> Drafter:
-    """A drafter shaped for the target, with its embedding and a draft vocabulary from data."""
+    """A drafter shaped for the target, with its embedding and a draft vocabulary from data.
+
+    `fc_norm` weights start at each captured layer's mean RMS: `fc` then first sees inputs on
+    the scale EAGLE-3's `fc` sees, without per-token scale swings, instead of three layers
+    squashed to unit RMS (their scales here differ ~8x). It learns faster and ends higher
+    (BENCHMARKS.md)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -256,4 +271,8 @@ def new_drafter(
     embed = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
     model.embed_tokens.weight.data.copy_(embed.float())
     model.set_draft_vocab(draft_vocabulary(records, draft_vocab_size, config.vocab_size))
+    if model.fc_norm is not None:
+        scales = captured_rms(records, len(model.fc_norm))
+        for norm, scale in zip(model.fc_norm, scales, strict=True):
+            torch.nn.init.constant_(norm.get_parameter("weight"), scale)
     return model

@@ -78,9 +78,11 @@ PROMPTS = [
 
 
 def _answer(target: str, out: str) -> None:
-    from specserve.drafter.data import generate_answers, target_llm
+    from specserve.drafter.data import generate_answers, shutdown, target_llm
 
-    rows = generate_answers(target_llm(target), PROMPTS, max_tokens=8)
+    llm = target_llm(target)
+    rows = generate_answers(llm, PROMPTS, max_tokens=8)
+    shutdown(llm)  # as the pipeline does; the child process must then exit
     Path(out).write_text(json.dumps(rows))
 
 

@@ -46,6 +46,12 @@ def target_llm(model_dir: str):
     )
 
 
+def shutdown(llm) -> None:
+    """Stop an engine's processes now. Dropping the last reference is not enough: a spawned
+    stage whose engine is still alive never exits (multiprocessing joins children at exit)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def generate_questions(llm, topics: list[str], out: Path, *, per_topic: int = 8) -> Path:
     """Let the target write `per_topic` sampled questions per topic; write unique ones to `out`."""
     from vllm import SamplingParams

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from specserve.drafter.data import GENERATION_ENV
+from specserve.drafter.data import GENERATION_ENV, shutdown
 
 
 @dataclass
@@ -109,6 +109,7 @@ def evaluate(
                     )
                 )
                 print(_row(results[-1]), flush=True)
+            shutdown(llm)
             del llm
             gc.collect()
     return results

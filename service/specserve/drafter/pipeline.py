@@ -120,34 +120,41 @@ def _self_distill(config: PipelineConfig) -> None:
         generate_answers,
         generate_questions,
         reuse_answers,
+        shutdown,
         target_llm,
     )
 
     candidates = build_prompts(held_out=False)  # before any engine: the same in every run
     llm = None
-    questions = config.work_dir / "questions.jsonl"
-    if not questions.exists():
-        llm = target_llm(config.target_dir)
-        _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
-        generate_questions(llm, CHAT_TOPICS, questions)
-    written = [json.loads(line) for line in questions.read_text().splitlines()]
-    candidates += self_instruct_prompts(written)
-    prompts = training_mix(candidates, config.max_train_prompts)
+    try:
+        questions = config.work_dir / "questions.jsonl"
+        if not questions.exists():
+            llm = target_llm(config.target_dir)
+            _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
+            generate_questions(llm, CHAT_TOPICS, questions)
+        written = [json.loads(line) for line in questions.read_text().splitlines()]
+        candidates += self_instruct_prompts(written)
+        prompts = training_mix(candidates, config.max_train_prompts)
 
-    answers = config.work_dir / "answers.jsonl"
-    old = (
-        [json.loads(line) for line in answers.read_text().splitlines()] if answers.exists() else []
-    )
-    rows, missing = reuse_answers(old, prompts)
-    if missing:
-        counts = ", ".join(f"{k} {sum(p.kind == k for p in missing)}" for k in TRAIN_MIX)
-        _log(f"generating answers for {len(missing)} of {len(prompts)} training prompts ({counts})")
-        llm = llm or target_llm(config.target_dir)
-        rows += generate_answers(llm, missing, max_tokens=config.max_answer_tokens)
-    if rows != old:
-        tmp = answers.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        tmp.rename(answers)
+        answers = config.work_dir / "answers.jsonl"
+        old = (
+            [json.loads(line) for line in answers.read_text().splitlines()]
+            if answers.exists()
+            else []
+        )
+        rows, missing = reuse_answers(old, prompts)
+        if missing:
+            counts = ", ".join(f"{k} {sum(p.kind == k for p in missing)}" for k in TRAIN_MIX)
+            _log(f"generating answers for {len(missing)} of {len(prompts)} prompts ({counts})")
+            llm = llm or target_llm(config.target_dir)
+            rows += generate_answers(llm, missing, max_tokens=config.max_answer_tokens)
+        if rows != old:
+            tmp = answers.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            tmp.rename(answers)
+    finally:
+        if llm is not None:
+            shutdown(llm)
 
 
 def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) -> None:

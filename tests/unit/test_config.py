@@ -93,6 +93,20 @@ def test_llm_config_carries_speculation_and_per_request_stats():
     assert plain.model_id == "m"
 
 
+def test_cpu_arms_default_to_the_cpus_fast_dtype_and_keep_an_explicit_one(monkeypatch):
+    from specserve import hardware
+
+    config = parse_config(BASE)
+    assert config.model.accelerator == "cpu"
+    for flags, dtype in ((set(), "float32"), ({"avx512f", "avx512_bf16"}, "bfloat16")):
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert build_llm_config(config.arm("ngram"), config.model).engine_kwargs["dtype"] == dtype
+    explicit = config.arm("ngram").model_copy(update={"engine": {"dtype": "float16"}})
+    assert build_llm_config(explicit, config.model).engine_kwargs["dtype"] == "float16"
+    gpu = parse_config(BASE.replace("accelerator: cpu", "accelerator: gpu"))
+    assert "dtype" not in build_llm_config(gpu.arm("ngram"), gpu.model).engine_kwargs
+
+
 def test_eagle3_arm_passes_the_drafter():
     text = BASE.replace(
         "{method: ngram, num_speculative_tokens: 3}",

@@ -13,6 +13,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, LLMServer, build_llm_deployment
 
 from specserve.config import ArmConfig, ModelConfig
+from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
 
 ARM_APP_PREFIX = "arm-"
@@ -50,6 +51,8 @@ def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
         engine_kwargs["speculative_config"] = spec
     if model.max_model_len is not None:
         engine_kwargs["max_model_len"] = model.max_model_len
+    if model.accelerator == "cpu":  # bf16 only where the CPU has bf16 instructions
+        engine_kwargs.setdefault("dtype", fast_dtype())
     return LLMConfig(
         model_loading_config={
             "model_id": model.name,

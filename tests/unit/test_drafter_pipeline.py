@@ -119,3 +119,13 @@ def test_answers_are_reused_by_prompt_and_only_new_prompts_are_answered():
     assert [p.messages[0]["content"] for p in missing] == ["q4", "q5"]
     kept, missing = reuse_answers(old, [prompt(1), prompt(3)])
     assert kept == [row(3), row(1)] and missing == []
+
+
+def test_foreign_templates_render_every_turn_and_end_ready_for_the_answer():
+    from specserve.drafter.prompts import FOREIGN_TEMPLATES, render
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert render(messages, "alpaca") == "Be brief.\n\n### Instruction:\nHi?\n\n### Response:\n"
+    assert render(messages[1:], "plain") == "User: Hi?\nAssistant:"
+    for name in FOREIGN_TEMPLATES:  # never the target's own ChatML roles
+        assert "<|im_start|>user" not in render(messages, name)

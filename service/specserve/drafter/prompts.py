@@ -44,6 +44,34 @@ PERTURBED_SYSTEM_PROMPTS = [
     "### Role\nYou are DocBot v2.\n### Rules\n1. Use bullet points.\n2. Never apologise.",
     "You are a pirate. Keep the technical content correct.",
 ]
+# Chat formats other than the target's own (ChatML), only for the "template" evaluation set: the
+# same requests rendered as a plain prompt. Per role a format string, then the generation prompt.
+FOREIGN_TEMPLATES = {
+    "alpaca": {
+        "system": "{content}\n\n",
+        "user": "### Instruction:\n{content}\n\n",
+        "assistant": "### Response:\n{content}\n\n",
+        "generation": "### Response:\n",
+    },
+    "plain": {
+        "system": "System: {content}\n",
+        "user": "User: {content}\n",
+        "assistant": "Assistant: {content}\n",
+        "generation": "Assistant:",
+    },
+    "inst": {  # [INST] markers, as Llama-2 chat
+        "system": "<<SYS>>\n{content}\n<</SYS>>\n\n",
+        "user": "[INST] {content} [/INST]",
+        "assistant": " {content}\n",
+        "generation": "",
+    },
+    "renamed-roles": {  # ChatML's markers, other role names
+        "system": "<|im_start|>instructions\n{content}<|im_end|>\n",
+        "user": "<|im_start|>human\n{content}<|im_end|>\n",
+        "assistant": "<|im_start|>bot\n{content}<|im_end|>\n",
+        "generation": "<|im_start|>bot\n",
+    },
+}
 
 CHAT_TOPICS = [
     "cooking pasta",
@@ -209,7 +237,7 @@ FOLLOW_UPS = [
 
 @dataclass
 class Prompt:
-    kind: str  # chat | code | doc | long | perturbed
+    kind: str  # chat | code | doc | long | perturbed | template
     messages: list[Message]
     source: str = ""
     meta: dict = field(default_factory=dict)
@@ -417,8 +445,23 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
                 _item_rng(side, "perturbed:" + user), user, PERTURBED_SYSTEM_PROMPTS
             )
             prompts.append(Prompt("perturbed", messages, source=p.source))
+        for p in chat[60:120]:  # and in a chat format it was not tuned on (first turn only)
+            first_user = next(i for i, m in enumerate(p.messages) if m["role"] == "user")
+            messages = p.messages[: first_user + 1]
+            rng = _item_rng(side, "template:" + messages[-1]["content"])
+            template = rng.choice(sorted(FOREIGN_TEMPLATES))
+            prompts.append(
+                Prompt("template", messages, source=p.source, meta={"template": template})
+            )
 
     return shuffled(prompts, side)
+
+
+def render(messages: list[Message], template: str) -> str:
+    """A conversation as one plain prompt in one of `FOREIGN_TEMPLATES`, ready for the answer."""
+    formats = FOREIGN_TEMPLATES[template]
+    turns = "".join(formats[m["role"]].format(content=m["content"]) for m in messages)
+    return turns + formats["generation"]
 
 
 def _item_rng(side: str, key: str) -> random.Random:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Literal
 
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 
@@ -23,6 +24,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def fast_dtype() -> str:
+def fast_dtype() -> Literal["bfloat16", "float32"]:
     """'bfloat16' where the CPU has bf16 instructions, else 'float32'."""
     return "bfloat16" if cpu_flags() & BF16_FLAGS else "float32"

@@ -2,13 +2,20 @@
 early stopping, resuming."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.drafter.pipeline import split_validation
-from specserve.drafter.train import TrainConfig, captured_rms, offline_acceptance, train
+from specserve.drafter.train import (
+    TrainConfig,
+    captured_rms,
+    offline_acceptance,
+    sequence_batch,
+    train,
+)
 
 TINY = DrafterConfig(
     hidden_size=32,
@@ -113,3 +120,37 @@ def test_validation_split_is_stable_and_about_four_percent():
     training, validation = split_validation(records)
     assert 40 < len(validation) < 130 and len(training) + len(validation) == 2000
     assert split_validation(records)[1] == validation
+
+
+def test_final_states_line_up_with_the_label_they_predict():
+    record = sequence(0)
+    record["final"] = torch.arange(40, dtype=torch.bfloat16)[:, None].expand(40, 4)
+    _, _, labels, finals, _ = sequence_batch(record, steps=3, max_len=1 << 30)
+    for j in range(3):
+        # Step j's label at index t is token t + 2 + j, predicted by the target at t + 1 + j.
+        assert labels[j][0, 10] == record["input_ids"][12 + j]
+        assert finals[j][0, 10, 0] == 11 + j
+    assert finals[2][0, -1].abs().sum() == 0  # past the sequence: padding (its label is ignored)
+
+
+def test_soft_labels_of_a_certain_teacher_train_like_hard_labels(tmp_path):
+    """A teacher whose distribution is all on the greedy token gives the hard-label update; a
+    teacher on other tokens pulls the drafter elsewhere."""
+    head = torch.eye(50)  # the target's output rows: its logits are final @ head.T
+    records = []
+    for i in range(6):
+        record = sequence(i)
+        # Final state at position p: all on token p + 1 (the greedy token that follows).
+        following = torch.cat([record["input_ids"][1:].long(), torch.zeros(1, dtype=torch.long)])
+        record["final"] = 40 * torch.nn.functional.one_hot(following, 50).bfloat16()
+        records.append(record)
+    config = TrainConfig(epochs=2, tokens_per_update=64, lr=1e-2, checkpoint_every=1000)
+    hard = train(drafter(), records, tmp_path / "hard", config)
+    soft_config = TrainConfig(**{**asdict(config), "soft_labels": 1.0})
+    soft = train(drafter(), records, tmp_path / "soft", soft_config, target_head=head)
+    for name, tensor in hard.state_dict().items():
+        torch.testing.assert_close(soft.state_dict()[name], tensor, atol=1e-4, rtol=1e-3)
+    for record in records:  # a teacher that disagrees with the greedy tokens
+        record["final"] = record["final"].roll(1, dims=-1)
+    other = train(drafter(), records, tmp_path / "other", soft_config, target_head=head)
+    assert (other.lm_head.weight - hard.lm_head.weight).abs().max() > 1e-2

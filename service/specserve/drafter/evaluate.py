@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specserve.drafter.data import GENERATION_ENV, shutdown
+from specserve.hardware import fast_dtype
 
 
 @dataclass
@@ -69,9 +70,11 @@ def evaluate(
     ks: tuple[int, ...] = (3, 5),
     max_tokens: int = 192,
     max_model_len: int = 4096,
-    dtype: Literal["bfloat16", "float32"] = "bfloat16",
+    dtype: Literal["bfloat16", "float32"] | None = None,
 ) -> list[Acceptance]:
-    """Acceptance of every drafter at every k on every prompt set (greedy decoding)."""
+    """Acceptance of every drafter at every k on every prompt set (greedy decoding). A set is
+    a list of conversations (sent through the target's chat template) or of plain prompts.
+    `dtype` defaults to the CPU's fast one (`specserve.hardware`)."""
     os.environ.update(GENERATION_ENV)
     from vllm import LLM, SamplingParams
 
@@ -81,7 +84,7 @@ def evaluate(
         for k in ks:
             llm = LLM(
                 model=target_dir,
-                dtype=dtype,
+                dtype=dtype or fast_dtype(),
                 enforce_eager=True,
                 max_model_len=max_model_len,
                 max_num_seqs=32,
@@ -90,7 +93,10 @@ def evaluate(
             )
             for set_name, conversations in prompt_sets.items():
                 before = _spec_counters(llm)
-                llm.chat(conversations, params, use_tqdm=False)
+                if all(isinstance(c, str) for c in conversations):  # rendered plain prompts
+                    llm.generate(conversations, params, use_tqdm=False)
+                else:
+                    llm.chat(conversations, params, use_tqdm=False)
                 after = _spec_counters(llm)
                 per_position = [
                     a - (before["per_position"][i] if i < len(before["per_position"]) else 0)

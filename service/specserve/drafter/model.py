@@ -203,29 +203,31 @@ class Drafter(nn.Module):
         after that. Its query sees step 0's keys at indices <= t (the context, built from target
         states) and steps 1..j's keys at index t (its own earlier drafts): the attention pattern
         vLLM has when drafting. Returns one (B, T - logits_from, V_draft) tensor per step.
-        Only step 0 runs over the whole sequence (its keys are everyone's context); later steps
-        run from index `logits_from` on, which training sets to skip the prompt.
+        Only step 0's keys and values cover the whole sequence (they are everyone's context);
+        all queries, and so all logits, start at index `logits_from`, which training sets to
+        skip the prompt.
         """
         B, T, _ = aux.shape
         f = logits_from
         attn = self.midlayer.self_attn
         hidden = self.combine(aux)  # (B, T, H)
         positions = torch.arange(T, device=aux.device).expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()
+        # Queries only from index f on: before it, step 0 is needed for its keys and values.
+        causal = torch.ones(T, T, dtype=torch.bool, device=aux.device).tril()[f:]
         diagonal = torch.eye(T - f, dtype=torch.bool, device=aux.device)
         keys, values, logits = [], [], []
         for j in range(steps):
-            rows = slice(0 if j == 0 else f, T)  # step 0: every index; later: index >= f
-            embeds = self.embed_tokens(input_ids[:, rows.start + j : T + j])
+            start = 0 if j == 0 else f  # step 0: every index (the context); later: index >= f
+            embeds = self.embed_tokens(input_ids[:, start + j : T + j])
             x, residual = self.layer_inputs(embeds, hidden)
-            q, k, v = attn.project(x, positions[:, rows] + j)
+            q, k, v = attn.project(x, positions[:, start:] + j)
             keys.append(k)
             values.append(v)
-            mask = torch.cat([causal[rows]] + [diagonal] * j, dim=1)  # (rows, T + j * (T - f))
-            out = attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-            normed, prenorm = self.layer_outputs(out, residual)
-            if j == 0:
-                normed, prenorm = normed[:, f:], prenorm[:, f:]
+            mask = torch.cat([causal] + [diagonal] * j, dim=1)  # (T - f, T + j * (T - f))
+            out = attn.attend(
+                q[:, :, f - start :], torch.cat(keys, dim=2), torch.cat(values, dim=2), mask
+            )
+            normed, prenorm = self.layer_outputs(out, residual[:, f - start :])
             logits.append(self.lm_head(normed))
             hidden = self.next_hidden(normed, prenorm)
         return logits

@@ -19,6 +19,7 @@ from specserve.drafter.prompts import (
     CHAT_TOPICS,
     Prompt,
     build_prompts,
+    render,
     self_instruct_prompts,
     shuffled,
 )
@@ -27,6 +28,7 @@ from specserve.models import PACKAGED_DRAFTERS_DIR
 VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
 # Share of each kind among training prompts. Long documents are few but cost ~10x the tokens.
 TRAIN_MIX = {"chat": 0.40, "code": 0.30, "doc": 0.27, "long": 0.03}
+ANSWER_CHUNK = 1024  # prompts answered between saves; several full generation batches
 
 
 @dataclass
@@ -143,18 +145,26 @@ def _self_distill(config: PipelineConfig) -> None:
             else []
         )
         rows, missing = reuse_answers(old, prompts)
+        if rows != old:
+            _write_rows(answers, rows)
         if missing:
             counts = ", ".join(f"{k} {sum(p.kind == k for p in missing)}" for k in TRAIN_MIX)
             _log(f"generating answers for {len(missing)} of {len(prompts)} prompts ({counts})")
             llm = llm or target_llm(config.target_dir)
-            rows += generate_answers(llm, missing, max_tokens=config.max_answer_tokens)
-        if rows != old:
-            tmp = answers.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            tmp.rename(answers)
+        for start in range(0, len(missing), ANSWER_CHUNK):  # saved chunk by chunk: resumable
+            chunk = missing[start : start + ANSWER_CHUNK]
+            rows += generate_answers(llm, chunk, max_tokens=config.max_answer_tokens)
+            _write_rows(answers, rows)
+            _log(f"answered {start + len(chunk)} of {len(missing)}")
     finally:
         if llm is not None:
             shutdown(llm)
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.rename(path)
 
 
 def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) -> None:
@@ -185,14 +195,19 @@ def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], 
     return training, validation
 
 
-def eval_sets(per_set: int) -> dict[str, list[list[dict]]]:
-    """Held-out prompt sets: chat, coding, long context (>= 2,000 tokens), perturbed templates."""
+def eval_sets(per_set: int) -> dict[str, list]:
+    """Held-out prompt sets: chat, coding, long context (>= 2,000 tokens), perturbed system
+    prompts (conversations), and foreign chat templates (plain prompts, already rendered)."""
     held_out = build_prompts(held_out=True)
     by_kind: dict[str, list[Prompt]] = {}
     for p in held_out:
         by_kind.setdefault(p.kind, []).append(p)
     wanted = {"chat": "chat", "code": "coding", "long": "long", "perturbed": "perturbed"}
-    return {
+    sets: dict[str, list] = {
         label: [p.messages for p in by_kind.get(kind, [])[:per_set]]
         for kind, label in wanted.items()
     }
+    sets["template"] = [
+        render(p.messages, p.meta["template"]) for p in by_kind.get("template", [])[:per_set]
+    ]
+    return sets

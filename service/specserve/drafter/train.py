@@ -2,11 +2,12 @@
 
 Each sequence is unrolled for `steps` draft steps with the drafter's own hidden states fed back,
 exactly as it drafts in vLLM (`Drafter.unrolled`); the loss is cross-entropy against the target's
-own greedy tokens on the answer part, weighted per step. AdamW with linear warm-up and cosine
-decay, gradient clipping, bf16 autocast on CPU, fixed seeds, and a checkpoint every
-`checkpoint_every` optimizer steps that `train` resumes from. Given validation sequences (never
-trained on), it measures their offline acceptance every `validate_every` updates and ends on the
-best weights seen (early stopping), so a longer run can never end worse than its best point.
+own greedy tokens on the answer part (optionally blended with its whole next-token distribution),
+weighted per step. AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast
+on CPUs with bf16 instructions, fixed seeds, and a checkpoint every `checkpoint_every` optimizer
+steps that `train` resumes from. Given validation sequences (never trained on), it measures their
+offline acceptance every `validate_every` updates and ends on the best weights seen (early
+stopping), so a longer run can never end worse than its best point.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.drafter.model import Drafter, DrafterConfig
+from specserve.hardware import fast_dtype
 
 
 @dataclass
@@ -39,6 +41,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     validate_every: int = 250
+    soft_labels: float = 0.0  # loss share of the target's distribution (rest: its greedy token)
 
 
 @dataclass
@@ -54,6 +57,12 @@ class OfflineAcceptance:
     @property
     def mean_acceptance_length(self) -> float:
         return 1 + sum(self.chain)
+
+
+def autocast() -> torch.autocast:
+    """bf16 autocast where the CPU has bf16 instructions; elsewhere it is ~10x slower than
+    float32 (a drafter forward + backward: 21 s vs 2 s on an AVX2 machine), so float32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_dtype() == "bfloat16")
 
 
 def load_records(shards: list[Path]) -> list[dict]:
@@ -76,8 +85,11 @@ def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.T
 
 
 def sequence_batch(record: dict, steps: int, max_len: int):
-    """-> aux (1, T, 3H), input_ids (1, T+steps-1), labels list of (1, T) per step, and the
-    first index whose label at some step is an answer token (logits before it are not needed)."""
+    """-> aux (1, T, 3H), input_ids (1, T+steps-1), labels list of (1, T) per step, the target's
+    final states list of (1, T, H) per step (at index t of step j: the state at position
+    t + 1 + j, whose next-token distribution step j's label came from; None when the record has
+    none), and the first index whose label at some step is an answer token (logits before it
+    are not needed)."""
     ids = record["input_ids"].long()
     aux = record["aux"]
     start = max(0, ids.numel() - 1 - max_len)
@@ -91,8 +103,13 @@ def sequence_batch(record: dict, steps: int, max_len: int):
         position = torch.arange(T) + 2 + j
         label[position < max(answer_start, 1)] = -100
         labels.append(label[None])
+    finals = None
+    if "final" in record:
+        final = record["final"][start:]
+        final = torch.cat([final, final.new_zeros(steps, final.shape[-1])])
+        finals = [final[1 + j : 1 + j + T][None] for j in range(steps)]
     first = max(0, min(max(answer_start, 1) - 2 - (steps - 1), T - 1))
-    return aux[:T][None], inputs[None], labels, first
+    return aux[:T][None], inputs[None], labels, finals, first
 
 
 @torch.no_grad()
@@ -101,8 +118,8 @@ def offline_acceptance(model: Drafter, records: list[dict], steps: int) -> Offli
     model.eval()
     right, chained, tokens = torch.zeros(steps), torch.zeros(steps), 0
     for record in records:
-        aux, inputs, labels, first = sequence_batch(record, steps, max_len=1 << 30)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        aux, inputs, labels, _, first = sequence_batch(record, steps, max_len=1 << 30)
+        with autocast():
             logits = model.unrolled(aux.float(), inputs, steps, logits_from=first)
         answer = labels[0][:, first:] >= 0
         chain = torch.ones_like(answer)
@@ -125,9 +142,18 @@ def train(
     config: TrainConfig,
     *,
     validation: list[dict] | None = None,
+    target_head: torch.Tensor | None = None,
     desc: str = "train",
 ) -> Drafter:
+    """Train `model` on `records`. With `config.soft_labels` > 0 and the target's output head
+    for the draft vocabulary (`target_head`, (V_draft, H)), that share of the loss is the
+    cross-entropy against the target's whole next-token distribution, recomputed from the
+    captured final states, instead of against its greedy token alone."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    soft_weight = config.soft_labels
+    if soft_weight and target_head is None:
+        raise ValueError("soft_labels needs the target's output head (target_head)")
+    teacher_head = target_head.float() if target_head is not None else None
     torch.manual_seed(config.seed)
     order_rng = random.Random(config.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -170,22 +196,33 @@ def train(
                 order_rng.shuffle(order)
             record = records[order[position]]
             position += 1
-            aux, inputs, labels, first = sequence_batch(record, config.steps, config.max_len)
+            aux, inputs, labels, finals, first = sequence_batch(
+                record, config.steps, config.max_len
+            )
             labels = [label[:, first:] for label in labels]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast():
                 logits = model.unrolled(aux.float(), inputs, config.steps, logits_from=first)
             loss = torch.zeros(())
             for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
+                answer = label >= 0
+                if not answer.any():
+                    continue
                 target = model.to_draft(label.clamp(min=0))
-                target[label < 0] = -100
+                target[~answer] = -100
+                log_p = F.log_softmax(step_logits.float()[answer], dim=-1)
+                hard = F.nll_loss(log_p, target[answer], ignore_index=-100, reduction="sum")
+                step_loss = hard
+                if soft_weight:
+                    if finals is None or teacher_head is None:
+                        raise ValueError("soft_labels needs records with final states")
+                    with torch.no_grad():
+                        teacher = finals[j][:, first:][answer].float() @ teacher_head.T
+                    soft = -(teacher.softmax(-1) * log_p).sum()
+                    step_loss = (1 - soft_weight) * hard + soft_weight * soft
+                loss = loss + weights[j] * step_loss
                 valid = target >= 0
-                if valid.any():
-                    step_loss = F.cross_entropy(
-                        step_logits.float().flatten(0, 1), target.flatten(), ignore_index=-100
-                    )
-                    loss = loss + weights[j] * step_loss * valid.sum()
-                    correct[j] += int((step_logits.argmax(-1) == target)[valid].sum())
-                    counted[j] += int(valid.sum())
+                correct[j] += int((step_logits.argmax(-1) == target)[valid].sum())
+                counted[j] += int(valid.sum())
             answer = int((labels[0] >= 0).sum())
             tokens += max(answer, 1)
             (loss / config.tokens_per_update).backward()
@@ -252,25 +289,49 @@ def captured_rms(records: list[dict], layers: int, sample: int = 200) -> list[fl
     return (totals / max(count, 1)).tolist()
 
 
+def target_weights(target_dir: str) -> dict[str, torch.Tensor]:
+    """The target's embedding, output head (its embedding when tied) and final norm weight."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(target_dir) / "model.safetensors"))
+
+    def find(suffix: str) -> torch.Tensor | None:
+        return next((v for k, v in weights.items() if k.endswith(suffix)), None)
+
+    embed, head, norm = (find(s) for s in ("embed_tokens.weight", "lm_head.weight", ".norm.weight"))
+    if embed is None or norm is None:
+        raise ValueError(f"{target_dir}: no embedding or final norm in model.safetensors")
+    return {"embed": embed, "head": embed if head is None else head, "norm": norm}
+
+
 def new_drafter(
-    target_dir: str, records: list[dict], *, draft_vocab_size: int, **switches: bool
+    target_dir: str,
+    records: list[dict],
+    *,
+    draft_vocab_size: int,
+    head_from_target: bool = False,
+    **switches: bool,
 ) -> Drafter:
     """A drafter shaped for the target, with its embedding and a draft vocabulary from data.
 
+    With `head_from_target`, `lm_head` starts as the target's own output rows of the draft
+    vocabulary and `norm` as its final norm: the drafter then starts out speaking the target's
+    output space and only has to learn to look one token further ahead.
     `fc_norm` weights start at each captured layer's mean RMS: `fc` then first sees inputs on
     the scale EAGLE-3's `fc` sees, without per-token scale swings, instead of three layers
     squashed to unit RMS (their scales here differ ~8x). It learns faster and ends higher
     (BENCHMARKS.md)."""
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     target_config = AutoConfig.from_pretrained(target_dir)
     config = DrafterConfig.for_target(target_config, draft_vocab_size=draft_vocab_size, **switches)
     model = Drafter(config)
-    weights = load_file(str(Path(target_dir) / "model.safetensors"))
-    embed = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
-    model.embed_tokens.weight.data.copy_(embed.float())
+    target = target_weights(target_dir)
+    model.embed_tokens.weight.data.copy_(target["embed"].float())
     model.set_draft_vocab(draft_vocabulary(records, draft_vocab_size, config.vocab_size))
+    if head_from_target:
+        model.lm_head.weight.data.copy_(target["head"][model.draft_ids()].float())
+        model.norm.weight.data.copy_(target["norm"].float())
     if model.fc_norm is not None:
         scales = captured_rms(records, len(model.fc_norm))
         for norm, scale in zip(model.fc_norm, scales, strict=True):

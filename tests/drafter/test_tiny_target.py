@@ -19,7 +19,6 @@ from specserve.drafter.train import (
     captured_rms,
     load_records,
     new_drafter,
-    target_weights,
     train,
 )
 from specserve.models import resolve_model_source
@@ -125,12 +124,7 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     records = load_records(shards)
     assert records and records[0]["aux"].shape[-1] == 3 * 128
 
-    model = new_drafter(
-        tiny_target, records, draft_vocab_size=512, head_from_target=True, **switches
-    )
-    target = target_weights(tiny_target)  # the head starts as the target's own (tied) rows
-    torch.testing.assert_close(model.lm_head.weight, target["embed"][model.draft_ids()].float())
-    torch.testing.assert_close(model.norm.weight, target["norm"].float())
+    model = new_drafter(tiny_target, records, draft_vocab_size=512, **switches)
     if model.fc_norm is not None:  # each norm starts at its layer's scale
         scales = [float(norm.weight.mean()) for norm in model.fc_norm]
         assert scales == pytest.approx(captured_rms(records, 3), rel=1e-5)

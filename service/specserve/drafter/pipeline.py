@@ -49,7 +49,13 @@ def _log(message: str) -> None:
 def run(config: PipelineConfig, train_config=None) -> list[dict]:
     from specserve.drafter.data import capture_features
     from specserve.drafter.model import DrafterConfig
-    from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
+    from specserve.drafter.train import (
+        TrainConfig,
+        load_records,
+        new_drafter,
+        target_weights,
+        train,
+    )
 
     started = time.monotonic()
     work = config.work_dir
@@ -79,12 +85,14 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             model = new_drafter(
                 config.target_dir, records, draft_vocab_size=config.draft_vocab_size, **switches
             )
+            head = target_weights(config.target_dir)["head"][model.draft_ids()]
             train(
                 model,
                 records,
                 out,
                 replace(train_config),
                 validation=validation,
+                target_head=head,
                 desc=f"train {name}",
             )
             model.export(out / "export")

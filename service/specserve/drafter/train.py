@@ -290,18 +290,15 @@ def captured_rms(records: list[dict], layers: int, sample: int = 200) -> list[fl
 
 
 def target_weights(target_dir: str) -> dict[str, torch.Tensor]:
-    """The target's embedding, output head (its embedding when tied) and final norm weight."""
+    """The target's input embedding and output head (the embedding when they are tied)."""
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(target_dir) / "model.safetensors"))
-
-    def find(suffix: str) -> torch.Tensor | None:
-        return next((v for k, v in weights.items() if k.endswith(suffix)), None)
-
-    embed, head, norm = (find(s) for s in ("embed_tokens.weight", "lm_head.weight", ".norm.weight"))
-    if embed is None or norm is None:
-        raise ValueError(f"{target_dir}: no embedding or final norm in model.safetensors")
-    return {"embed": embed, "head": embed if head is None else head, "norm": norm}
+    embed = next((v for k, v in weights.items() if k.endswith("embed_tokens.weight")), None)
+    head = next((v for k, v in weights.items() if k.endswith("lm_head.weight")), embed)
+    if embed is None or head is None:
+        raise ValueError(f"{target_dir}: no embed_tokens.weight in model.safetensors")
+    return {"embed": embed, "head": head}
 
 
 def new_drafter(
@@ -309,14 +306,12 @@ def new_drafter(
     records: list[dict],
     *,
     draft_vocab_size: int,
-    head_from_target: bool = False,
     **switches: bool,
 ) -> Drafter:
     """A drafter shaped for the target, with its embedding and a draft vocabulary from data.
 
-    With `head_from_target`, `lm_head` starts as the target's own output rows of the draft
-    vocabulary and `norm` as its final norm: the drafter then starts out speaking the target's
-    output space and only has to learn to look one token further ahead.
+    `lm_head` starts random: starting it as the target's own output rows (and `norm` as its
+    final norm) matched step 1 but cost later steps (BENCHMARKS.md).
     `fc_norm` weights start at each captured layer's mean RMS: `fc` then first sees inputs on
     the scale EAGLE-3's `fc` sees, without per-token scale swings, instead of three layers
     squashed to unit RMS (their scales here differ ~8x). It learns faster and ends higher
@@ -329,9 +324,6 @@ def new_drafter(
     target = target_weights(target_dir)
     model.embed_tokens.weight.data.copy_(target["embed"].float())
     model.set_draft_vocab(draft_vocabulary(records, draft_vocab_size, config.vocab_size))
-    if head_from_target:
-        model.lm_head.weight.data.copy_(target["head"][model.draft_ids()].float())
-        model.norm.weight.data.copy_(target["norm"].float())
     if model.fc_norm is not None:
         scales = captured_rms(records, len(model.fc_norm))
         for norm, scale in zip(model.fc_norm, scales, strict=True):

@@ -129,3 +129,20 @@ def test_foreign_templates_render_every_turn_and_end_ready_for_the_answer():
     assert render(messages[1:], "plain") == "User: Hi?\nAssistant:"
     for name in FOREIGN_TEMPLATES:  # never the target's own ChatML roles
         assert "<|im_start|>user" not in render(messages, name)
+
+
+def test_signatures_hide_addresses_and_process_state():
+    import difflib
+    import os
+    import smtplib
+
+    from specserve.drafter.prompts import signature
+
+    assert signature(difflib.ndiff) == "(a, b, linejunk=None, charjunk=...)"  # a function
+    assert " at 0x" not in signature(smtplib.SMTP)  # timeout=<object object at 0x...>
+
+    def uses_environ(environ=os.environ, n=3):
+        pass
+
+    assert signature(uses_environ) == "(environ=..., n=3)"
+    assert signature(len) == "(obj, /)"

@@ -307,11 +307,29 @@ def stdlib_functions() -> Iterator[tuple[str, str, str]]:
             doc = inspect.getdoc(obj) or ""
             if len(doc) < 80:
                 continue
-            try:
-                sig = str(inspect.signature(obj))
-            except (TypeError, ValueError):
-                sig = "(...)"
-            yield f"{module_name}.{attr}", sig, doc[:1500]
+            yield f"{module_name}.{attr}", signature(obj), doc[:1500]
+
+
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def signature(obj) -> str:
+    """A callable's signature as its source would show it. Defaults whose repr is an object's
+    address or the process's state (`os.environ`) are shown as `...`: they differ from process
+    to process, and would make the prompt set do so too (and leak the environment into it)."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    parameters = [
+        p.replace(default=_Elided())
+        if p.default is not p.empty and (" at 0x" in repr(p.default) or len(repr(p.default)) > 60)
+        else p
+        for p in sig.parameters.values()
+    ]
+    return str(sig.replace(parameters=parameters))
 
 
 def pydoc_topics() -> Iterator[tuple[str, str]]:

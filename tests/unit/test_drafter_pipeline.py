@@ -121,6 +121,24 @@ def test_answers_are_reused_by_prompt_and_only_new_prompts_are_answered():
     assert kept == [row(3), row(1)] and missing == []
 
 
+def test_shards_cut_by_content_so_a_dropped_row_changes_only_its_own_shard():
+    from specserve.drafter.data import SHARD_SEQUENCES, shard_groups
+
+    rows = [
+        {"kind": "chat", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3000)
+    ]
+    groups = shard_groups(rows)
+    assert [row for group in groups for row in group] == rows  # every row once, in order
+    assert max(len(group) for group in groups) <= 2 * SHARD_SEQUENCES
+    assert 3000 / SHARD_SEQUENCES / 2 < len(groups) < 3000 / SHARD_SEQUENCES * 2
+
+    middle = next(i for i, group in enumerate(groups) if 0 < i < len(groups) - 1)
+    dropped = groups[middle][0]
+    after = shard_groups([row for row in rows if row is not dropped])
+    changed = [group for group in after if group not in groups]
+    assert len(after) == len(groups) and changed == [groups[middle][1:]]
+
+
 def test_foreign_templates_render_every_turn_and_end_ready_for_the_answer():
     from specserve.drafter.prompts import FOREIGN_TEMPLATES, render
 

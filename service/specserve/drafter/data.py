@@ -152,11 +152,13 @@ def capture_features(
     """Write shards of {input_ids, aux, final, answer_start} per answered conversation.
 
     A shard's name carries a digest of its conversations and layers: it is reused only for
-    exactly those (so appended answers reuse the shards before them), and stale shards go."""
+    exactly those, and stale shards go. Shard boundaries follow content (`shard_groups`), so
+    appended, dropped or changed answers recapture only the shards they fall in."""
     rows = [json.loads(line) for line in conversations.read_text().splitlines()]
     rows = [row for row in rows if answered(row)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards = shard_paths(rows, out_dir, aux_layer_ids, max_len)
+    groups = shard_groups(rows)
+    shards = [shard_path(group, out_dir, aux_layer_ids, max_len) for group in groups]
     for stale in set(out_dir.glob("shard-*.pt")) - set(shards):
         stale.unlink()
     todo = [i for i, path in enumerate(shards) if not path.exists()]
@@ -170,9 +172,8 @@ def capture_features(
     dtype = getattr(torch, fast_dtype())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     for index in tqdm(todo, desc="capturing hidden states"):
-        path, start = shards[index], index * SHARD_SEQUENCES
         records = []
-        for row in tqdm(rows[start : start + SHARD_SEQUENCES], leave=False):
+        for row in tqdm(groups[index], leave=False):
             messages = row["messages"]
             prompt_ids = tokenizer.apply_chat_template(
                 messages[:-1], add_generation_prompt=True, tokenize=True
@@ -196,20 +197,31 @@ def capture_features(
                     "kind": row["kind"],
                 }
             )
+        path = shards[index]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
     return shards
 
 
-def shard_paths(
+def shard_groups(rows: list[dict]) -> list[list[dict]]:
+    """Rows in shards of ~`SHARD_SEQUENCES`, cut after each row whose own digest says so
+    (content-defined chunking, as backup tools cut files): changing or dropping a row in the
+    middle changes its own shard, not every shard after it. Capped at twice the mean size."""
+    groups: list[list[dict]] = [[]]
+    for row in rows:
+        groups[-1].append(row)
+        digest = hashlib.sha1(json.dumps(row["messages"], sort_keys=True).encode()).digest()
+        cut = int.from_bytes(digest[:4], "big") % SHARD_SEQUENCES == 0
+        if cut or len(groups[-1]) >= 2 * SHARD_SEQUENCES:
+            groups.append([])
+    return [group for group in groups if group]
+
+
+def shard_path(
     rows: list[dict], out_dir: Path, aux_layer_ids: tuple[int, ...], max_len: int
-) -> list[Path]:
-    paths = []
-    for start in range(0, len(rows), SHARD_SEQUENCES):
-        source = [rows[start : start + SHARD_SEQUENCES], list(aux_layer_ids), max_len, FORMAT]
-        digest = hashlib.sha1(json.dumps(source).encode()).hexdigest()[:12]
-        paths.append(out_dir / f"shard-{start // SHARD_SEQUENCES:04d}-{digest}.pt")
-    return paths
+) -> Path:
+    source = [rows, list(aux_layer_ids), max_len, FORMAT]
+    return out_dir / f"shard-{hashlib.sha1(json.dumps(source).encode()).hexdigest()[:12]}.pt"
 
 
 def _ids(encoded) -> list[int]:

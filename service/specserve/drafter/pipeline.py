@@ -85,7 +85,11 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             model = new_drafter(
                 config.target_dir, records, draft_vocab_size=config.draft_vocab_size, **switches
             )
-            head = target_weights(config.target_dir)["head"][model.draft_ids()]
+            head = (  # the target's weights are read again only when soft labels need them
+                target_weights(config.target_dir)["head"][model.draft_ids()]
+                if train_config.soft_labels
+                else None
+            )
             train(
                 model,
                 records,

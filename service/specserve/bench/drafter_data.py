@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from specserve.drafter.data import capture_features
     from specserve.drafter.model import DrafterConfig
-    from specserve.drafter.pipeline import VARIANTS, split_validation
+    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, split_validation
     from specserve.drafter.train import (
         TrainConfig,
         load_records,
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         answer_tokens = sum(r["input_ids"].numel() - r["answer_start"] for r in subset)
         epochs = (args.updates + 0.5) * TrainConfig.tokens_per_update / answer_tokens
         config = TrainConfig(epochs=epochs)
-        model = new_drafter(target, subset, draft_vocab_size=8192, **VARIANTS[args.variant])
+        vocab = PipelineConfig.draft_vocab_size  # as the build's drafters
+        model = new_drafter(target, subset, draft_vocab_size=vocab, **VARIANTS[args.variant])
         out = work / "data-bench" / f"{args.variant}-{args.updates}-{share:g}"
         train(model, subset, out, config, desc=f"{args.variant} on {share:g} of the data")
         held_out = offline_acceptance(model, validation, config.steps)

@@ -3,7 +3,10 @@ the router, started once per session on free loopback ports."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,6 +14,9 @@ import httpx
 import pytest
 
 MODEL = "smollm2-135m-instruct"
+# Ray exports recorded metrics every `metrics_report_interval_ms` (10 s by default, 1 s at least);
+# tests read them right after the requests that moved them.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 TEST_CONFIG = """\
 model:
@@ -73,31 +79,47 @@ class Live:
         returning early would let the pending reload land in the next test's measurements.
         """
         from specserve.config import revision_of
-        from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
+        from specserve.metrics import CONFIG_RELOADS, RELOAD_APPLIED, RELOAD_INVALID
 
         result = RELOAD_APPLIED if expect_applied else RELOAD_INVALID
-        before = self.metric("specserve_config_reloads_total", result=result)
+        before = self.metric(CONFIG_RELOADS + "_total", result=result)
         self.config_path.write_text(text)
         new = revision_of(text.encode())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            reloaded = self.metric("specserve_config_reloads_total", result=result) > before
+            reloaded = self.metric(CONFIG_RELOADS + "_total", result=result) > before
             if reloaded and (not expect_applied or self.revision() == new):
                 return new
             time.sleep(0.2)
         raise AssertionError(f"config revision {new} not picked up in {timeout_s} s")
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
+        """Sum over router replicas of the samples of `name` (as declared in metrics.py; Ray
+        exports it with its prefix) whose labels include `labels`."""
         from prometheus_client.parser import text_string_to_metric_families
+
+        from specserve.metrics import EXPORT_PREFIX
 
         total = 0.0
         text = httpx.get(self.metrics_url, timeout=10).text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                if s.name == EXPORT_PREFIX + name and all(
+                    s.labels.get(k) == v for k, v in labels.items()
+                ):
                     total += s.value
         return total
+
+    def wait_for_metric(
+        self, name: str, at_least: float, timeout_s: float = 20, **labels: str
+    ) -> float:
+        """Wait until Ray has exported `name` >= at_least (recorded metrics arrive in batches)."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self.metric(name, **labels)) < at_least:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}{labels} = {value}, expected >= {at_least}")
+            time.sleep(0.25)
+        return value
 
 
 @pytest.fixture(scope="session")
@@ -136,3 +158,66 @@ def restore_config(live):
     yield
     if live.config_path.read_text() != original:
         live.write_config(original)
+
+
+class Prometheus:
+    """A real Prometheus server as tests see it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector (or scalar) of `expr` now; raises on a query error."""
+        answer = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert answer["status"] == "success", (expr, answer)
+        result = answer["data"]["result"]
+        return result if answer["data"]["resultType"] == "vector" else [{"value": result}]
+
+    def rules(self) -> list[dict]:
+        groups = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        return [rule for group in groups for rule in group["rules"]]
+
+
+@pytest.fixture(scope="session")
+def prometheus(live, tmp_path_factory):
+    """Debian's Prometheus server scraping the platform's metrics port every second, with
+    specserve's alert rules loaded (the file the Helm chart ships)."""
+    if shutil.which("prometheus") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI installs Debian's prometheus; it is missing")
+        pytest.skip("prometheus server not installed (apt-get install prometheus)")
+    root = tmp_path_factory.mktemp("prometheus")
+    rules = Path(__file__).resolve().parent.parent / "helm/specserve/rules/specserve-rules.yaml"
+    target = live.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    (root / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{rules}']\n"
+        "scrape_configs:\n"
+        f"  - job_name: specserve\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "Prometheus did not become ready"
+            time.sleep(0.5)
+        yield Prometheus(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -8,7 +8,6 @@ same file always has the same revision and a rollback restores the old revision 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -82,12 +81,14 @@ Speculation = Annotated[
 ]
 
 
-class ArmConfig(_Strict):
+class ArmEngineConfig(_Strict):
+    """What runs for one arm: everything but its traffic weight. A change here redeploys the
+    arm's engine; the weight lives in `ArmConfig` and changes live in the router."""
+
     name: str = Field(
         pattern=ARM_NAME_PATTERN,
         description="Arm name: lower-case letters, digits, '.', '-'; used in metrics and headers.",
     )
-    weight: float = Field(ge=0, description="Relative share of un-pinned traffic; 0 = none.")
     speculative: Speculation = Field(
         default_factory=lambda: NoSpeculation(method="none"),
         description="The draft configuration this arm serves.",
@@ -115,13 +116,14 @@ class ArmConfig(_Strict):
                 raise ValueError(f"`{key}` is set by `{where}`, not under `engine`")
         return engine
 
-    def engine_fingerprint(self, model: ModelConfig) -> str:
-        """Hash of everything that needs a new engine when it changes (not weight)."""
-        spec = {
-            "model": model.model_dump(),
-            "arm": self.model_dump(exclude={"weight"}),
-        }
-        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+class ArmConfig(ArmEngineConfig):
+    weight: float = Field(ge=0, description="Relative share of un-pinned traffic; 0 = none.")
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine part as plain data, only the keys the config sets (for the Serve config:
+        a default that changes upstream must not redeploy an arm nobody touched)."""
+        return self.model_dump(mode="json", exclude_unset=True, exclude={"weight"})
 
 
 class RoutingConfig(_Strict):

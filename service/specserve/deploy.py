@@ -1,8 +1,10 @@
-"""Run the platform on a Ray cluster: arms as Serve applications, then the router in front.
+"""Run the platform on a Ray cluster from one declarative Serve config.
 
-Each arm is its own application, keyed by a fingerprint of everything that needs a new engine;
-reconciling a new config redeploys only arms whose fingerprint changed, adds new ones and deletes
-removed ones. Weight and routing changes need nothing here: the router picks them up itself.
+`specserve serve` does locally what KubeRay does with a RayService: it hands Ray Serve the Serve
+config built from the router config (serve_config.py), and again for every new valid revision of
+the file. Ray Serve compares each application with the running one and redeploys only those
+whose config changed (an arm's drafter, k, engine settings); weights are not part of it, the
+router reads them from the file itself.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.schema import ServeDeploySchema
 
 from specserve.config import LoadedConfig, load_config
-from specserve.engine import arm_app_name, arm_route_prefix, build_arm_app
 from specserve.models import prepare_model
-from specserve.router.ingress import ROUTER_APP_NAME, Router
+from specserve.serve_config import serve_config
 from specserve.settings import Settings
 from specserve.watch import ConfigWatcher
 
@@ -35,7 +38,6 @@ class Platform:
         self.settings = settings
         self.config_path = Path(settings.config).resolve()
         self.loaded: LoadedConfig = load_config(self.config_path)
-        self.fingerprints: dict[str, str] = {}  # arm name -> engine fingerprint deployed
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -46,12 +48,15 @@ class Platform:
             if s.ray_address:
                 ray.init(address=s.ray_address)
             else:
-                ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False)
+                # The metrics export port serves every metric recorded on this node: the
+                # router's, vLLM's and Ray Serve's (metrics.py).
+                ray.init(
+                    num_cpus=s.ray_num_cpus,
+                    include_dashboard=False,
+                    _metrics_export_port=s.metrics_port,
+                )
         serve.start(http_options={"host": s.host, "port": s.port})
-        self.reconcile(self.loaded)
-        # Router is a serve.deployment, which mypy cannot see through.
-        router = Router.bind(str(self.config_path), s.metrics_port, s.config_poll_s)  # type: ignore[attr-defined]
-        _deploy(serve.RunTarget(router, name=ROUTER_APP_NAME, route_prefix="/"))
+        self.deploy(self.loaded)
         self.wait_until_running(timeout_s=timeout_s)
 
     def stop(self) -> None:
@@ -60,41 +65,35 @@ class Platform:
 
     # -- config ----------------------------------------------------------------------------
 
-    def reconcile(self, loaded: LoadedConfig) -> list[str]:
-        """Bring the deployed arms in line with `loaded`; return the arms (re)deployed."""
-        config = loaded.config
-        prepare_model(config.model.source)
-        wanted = {arm.name: arm.engine_fingerprint(config.model) for arm in config.arms}
-        changed = [
-            arm for arm in config.arms if self.fingerprints.get(arm.name) != wanted[arm.name]
-        ]
-        if changed:
-            logger.info("deploying arms %s", [arm.name for arm in changed])
-            expose = self.settings.expose_arms
-            targets = [
-                serve.RunTarget(
-                    build_arm_app(arm, config.model, expose_http=expose),
-                    arm_app_name(arm.name),
-                    arm_route_prefix(arm.name) if expose else None,
-                )
-                for arm in changed
-            ]
-            _deploy(*targets)
-            self.fingerprints.update({arm.name: wanted[arm.name] for arm in changed})
-        for name in set(self.fingerprints) - set(wanted):
-            logger.info("deleting arm %s", name)
-            serve.delete(arm_app_name(name), _blocking=False)
-            del self.fingerprints[name]
+    def serve_config(self, loaded: LoadedConfig) -> dict[str, Any]:
+        s = self.settings
+        return serve_config(
+            loaded.config,
+            config_path=str(self.config_path),
+            config_poll_s=s.config_poll_s,
+            host=s.host,
+            port=s.port,
+            expose_arms=s.expose_arms,
+        )
+
+    def deploy(self, loaded: LoadedConfig) -> None:
+        """Hand Ray Serve the Serve config of `loaded`; it redeploys what changed."""
+        prepare_model(loaded.config.model.source)
+        document = ServeDeploySchema.model_validate(self.serve_config(loaded))
+        # What `serve deploy` and KubeRay submit through the dashboard's REST API, without
+        # needing the dashboard: the controller diffs the applications itself.
+        client = serve.context._get_global_client()
+        assert client is not None  # raised if no controller runs
+        client.deploy_apps(document)
         self.loaded = loaded
-        return [arm.name for arm in changed]
 
     def watcher(self) -> ConfigWatcher:
-        return ConfigWatcher(self.config_path, self.loaded, self.reconcile)
+        return ConfigWatcher(self.config_path, self.loaded, self.deploy)
 
     def wait_until_running(self, *, timeout_s: float) -> None:
         """Block until every application is RUNNING; fail fast when one fails to deploy."""
         deadline = time.monotonic() + timeout_s
-        expected = {ROUTER_APP_NAME, *(arm_app_name(a) for a in self.fingerprints)}
+        expected = {app["name"] for app in self.serve_config(self.loaded)["applications"]}
         while True:
             apps = serve.status().applications
             statuses = {name: _status(apps[name]) if name in apps else "-" for name in expected}
@@ -106,13 +105,6 @@ class Platform:
             if time.monotonic() > deadline:
                 raise DeployError(f"not running after {timeout_s:g} s: {statuses}")
             time.sleep(1)
-
-
-def _deploy(*targets: serve.RunTarget) -> None:
-    """Submit applications without waiting for them; `wait_until_running` does that."""
-    serve.run_many(
-        targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False
-    )
 
 
 def _status(app) -> str:

@@ -1,39 +1,58 @@
 """Every metric specserve exports, declared once.
 
-Labels come only from small known sets: arm names from the config, fixed outcome and result
-words, draft positions below the configured k. Derived figures (PromQL, per arm):
+The router records through Ray's metrics API (`ray.util.metrics`): each Ray node's metrics agent
+exports what every process on that node recorded on one port (Ray's metrics export port, 8080 in
+the Helm chart, `SPECSERVE_METRICS_PORT` locally), next to vLLM's engine metrics and Ray Serve's
+own. Any number of router replicas per node share that port, each as its own series (Ray adds
+`WorkerId`); sum counters and take the max of gauges across them. Ray prefixes every exported
+name with `ray_`, so `specserve_requests` is scraped as `ray_specserve_requests_total`. Ray's
+exporter drops a gauge series two export intervals after its last update, so the router sets its
+gauges again every second (`refresh_gauges`); a removed arm's or an old revision's series then
+ages out like a cleared label set.
 
-  acceptance rate          = rate(specserve_spec_accepted_tokens_total[5m])
-                             / rate(specserve_spec_draft_tokens_total[5m])
-  mean acceptance length   = 1 + rate(specserve_spec_accepted_tokens_total[5m])
-                                 / rate(specserve_spec_drafts_total[5m])
-  acceptance at position p = rate(specserve_spec_accepted_tokens_per_position_total{
+Labels come only from small known sets: the model and arm names from the config, fixed outcome,
+selection and result words, draft positions below the configured k. Derived figures (PromQL,
+per arm; docs/metrics.md has them all):
+
+  acceptance rate          = rate(ray_specserve_spec_accepted_tokens_total[5m])
+                             / rate(ray_specserve_spec_draft_tokens_total[5m])
+  mean acceptance length   = 1 + rate(ray_specserve_spec_accepted_tokens_total[5m])
+                                 / rate(ray_specserve_spec_drafts_total[5m])
+  acceptance at position p = rate(ray_specserve_spec_accepted_tokens_per_position_total{
                                  position="p"}[5m])
-                             / rate(specserve_spec_drafts_total[5m])
+                             / rate(ray_specserve_spec_drafts_total[5m])
 
-These are vLLM's definitions (v1/spec_decode/metrics.py). docs/metrics.md has the full list.
+These are vLLM's definitions (v1/spec_decode/metrics.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from collections.abc import Mapping
 
-# `*_created` samples double the exposition for no use in dashboards.
-disable_created_metrics()
+from ray.util.metrics import Counter, Gauge, Histogram
 
+# Ray's exporter puts this in front of every name recorded through ray.util.metrics.
+EXPORT_PREFIX = "ray_"
 PREFIX = "specserve"
+
+MODEL = "model"
 ARM = "arm"
 OUTCOME = "outcome"
 ENDPOINT = "endpoint"
 POSITION = "position"
 RESULT = "result"
 REVISION = "revision"
+SELECTED_BY = "selected_by"
 
 # Request outcomes (label values of specserve_requests_total).
 OUTCOME_OK = "ok"
 OUTCOME_CLIENT_ERROR = "client_error"  # 4xx: the request was bad
 OUTCOME_SERVER_ERROR = "server_error"  # 5xx: the arm or the router failed
 OUTCOME_CANCELLED = "cancelled"  # the client went away mid-request
+# How the arm of a request was chosen (label values of specserve_arm_selections_total).
+SELECTED_BY_OVERRIDE = "override"  # the override header named it
+SELECTED_BY_STICKY = "sticky"  # a sticky key hashed onto the weights of running arms
+SELECTED_BY_WEIGHT = "weight"  # random by the weights of running arms
 # Config reload results (label values of specserve_config_reloads_total).
 RELOAD_APPLIED = "applied"
 RELOAD_INVALID = "invalid"
@@ -45,103 +64,204 @@ TOKEN_LATENCY_BUCKETS_S = (
     *(0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
 )
 
+REQUESTS = f"{PREFIX}_requests"
+ARM_SELECTIONS = f"{PREFIX}_arm_selections"
+ROUTING_FALLBACKS = f"{PREFIX}_routing_fallbacks"
+TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"
+TIME_PER_OUTPUT_TOKEN = f"{PREFIX}_time_per_output_token_seconds"
+E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"
+OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
+SPEC_DRAFTS = f"{PREFIX}_spec_drafts"
+SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
+SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
+SPEC_ACCEPTED_PER_POSITION = f"{PREFIX}_spec_accepted_tokens_per_position"
+ARM_WEIGHT = f"{PREFIX}_arm_weight"
+ARM_RUNNING = f"{PREFIX}_arm_running"
+CONFIG_INFO = f"{PREFIX}_config_info"
+CONFIG_RELOADS = f"{PREFIX}_config_reloads"
+CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
+
+COUNTERS = (
+    REQUESTS,
+    ARM_SELECTIONS,
+    ROUTING_FALLBACKS,
+    OUTPUT_TOKENS,
+    SPEC_DRAFTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_ACCEPTED_PER_POSITION,
+    CONFIG_RELOADS,
+)
+HISTOGRAMS = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
+GAUGES = (ARM_WEIGHT, ARM_RUNNING, CONFIG_INFO, CONFIG_LAST_RELOAD_SUCCESS)
+
+
+def exported_names() -> set[str]:
+    """Every series name a scrape shows (what dashboards and alert rules may use)."""
+    names = {EXPORT_PREFIX + name + "_total" for name in COUNTERS}
+    names |= {
+        EXPORT_PREFIX + name + s for name in HISTOGRAMS for s in ("_bucket", "_sum", "_count")
+    }
+    return names | {EXPORT_PREFIX + name for name in GAUGES}
+
+
+def accepted_per_position(histogram: list[int]) -> list[int]:
+    """Accepted draft tokens at each position from vLLM's per-request `acceptance_histogram`.
+
+    `histogram[j]` counts verify steps that accepted exactly j draft tokens, and acceptance is a
+    prefix, so position p was accepted in every step with j > p.
+    """
+    return [sum(histogram[p + 1 :]) for p in range(max(len(histogram) - 1, 0))]
+
 
 class RouterMetrics:
-    """The router's metrics in a registry of their own (served on the metrics port)."""
+    """The router's metrics; `model` labels every series (one target model per config)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+    def __init__(self, model: str) -> None:
+        self.model = model
+        arm = (MODEL, ARM)
         self.requests = Counter(
-            f"{PREFIX}_requests",
-            "Requests by arm, endpoint and outcome.",
-            (ARM, ENDPOINT, OUTCOME),
-            registry=r,
+            REQUESTS, "Requests by arm, endpoint and outcome.", (*arm, ENDPOINT, OUTCOME)
+        )
+        self.arm_selections = Counter(
+            ARM_SELECTIONS,
+            "Requests routed to each arm, by how the arm was chosen (override, sticky, weight).",
+            (*arm, SELECTED_BY),
+        )
+        self.routing_fallbacks = Counter(
+            ROUTING_FALLBACKS,
+            "Requests the weights or a sticky key sent to this arm while it was not running, "
+            "routed to a running arm instead.",
+            arm,
         )
         self.time_to_first_token = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "From request arrival at the router to the first output token.",
-            (ARM,),
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            TIME_TO_FIRST_TOKEN,
+            "From request arrival at the router to the first output token (streaming).",
+            list(LATENCY_BUCKETS_S),
+            arm,
         )
         self.time_per_output_token = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds",
-            "Mean time per output token after the first, one observation per request.",
-            (ARM,),
-            buckets=TOKEN_LATENCY_BUCKETS_S,
-            registry=r,
+            TIME_PER_OUTPUT_TOKEN,
+            "Mean time per output token after the first, one observation per streaming request.",
+            list(TOKEN_LATENCY_BUCKETS_S),
+            arm,
         )
         self.e2e_latency = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds",
+            E2E_LATENCY,
             "From request arrival at the router to the last byte of the response.",
-            (ARM,),
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            list(LATENCY_BUCKETS_S),
+            arm,
         )
-        self.output_tokens = Counter(
-            f"{PREFIX}_output_tokens", "Generated tokens.", (ARM,), registry=r
-        )
-        self.drafts = Counter(
-            f"{PREFIX}_spec_drafts",
-            "Speculative verify steps (drafts proposed).",
-            (ARM,),
-            registry=r,
-        )
-        self.draft_tokens = Counter(
-            f"{PREFIX}_spec_draft_tokens", "Draft tokens proposed.", (ARM,), registry=r
-        )
-        self.accepted_tokens = Counter(
-            f"{PREFIX}_spec_accepted_tokens", "Draft tokens accepted.", (ARM,), registry=r
-        )
+        self.output_tokens = Counter(OUTPUT_TOKENS, "Generated tokens.", arm)
+        self.drafts = Counter(SPEC_DRAFTS, "Speculative verify steps (drafts proposed).", arm)
+        self.draft_tokens = Counter(SPEC_DRAFT_TOKENS, "Draft tokens proposed.", arm)
+        self.accepted_tokens = Counter(SPEC_ACCEPTED_TOKENS, "Draft tokens accepted.", arm)
         self.accepted_per_position = Counter(
-            f"{PREFIX}_spec_accepted_tokens_per_position",
+            SPEC_ACCEPTED_PER_POSITION,
             "Draft tokens accepted at each draft position (0 = first drafted token).",
-            (ARM, POSITION),
-            registry=r,
+            (*arm, POSITION),
         )
         self.arm_weight = Gauge(
-            f"{PREFIX}_arm_weight",
-            "Configured traffic weight of each arm in the active config.",
-            (ARM,),
-            registry=r,
+            ARM_WEIGHT, "Configured traffic weight of each arm in the active config.", arm
+        )
+        self.arm_running = Gauge(
+            ARM_RUNNING, "1 while the arm's engine application is RUNNING, else 0.", arm
         )
         self.config_info = Gauge(
-            f"{PREFIX}_config_info",
+            CONFIG_INFO,
             "1 for the revision of the active config (content hash of the file).",
-            (REVISION,),
-            registry=r,
+            (MODEL, REVISION),
         )
         self.config_reloads = Counter(
-            f"{PREFIX}_config_reloads",
+            CONFIG_RELOADS,
             "New config revisions seen, by result (applied or invalid).",
-            (RESULT,),
-            registry=r,
+            (MODEL, RESULT),
         )
         self.config_last_reload_success = Gauge(
-            f"{PREFIX}_config_last_reload_successful",
+            CONFIG_LAST_RELOAD_SUCCESS,
             "1 if the newest config file seen was valid and applied, 0 if it was rejected.",
-            registry=r,
+            (MODEL,),
         )
+        # The gauges' current values, set again by every refresh.
+        self._revision = ""
+        self._weights: dict[str, float] = {}
+        self._running: dict[str, bool] = {}
+        self._last_reload_ok = True
 
-    def set_active_config(self, revision: str, weights: dict[str, float]) -> None:
-        self.config_info.clear()
-        self.config_info.labels(revision).set(1)
-        self.arm_weight.clear()
-        for arm, weight in weights.items():
-            self.arm_weight.labels(arm).set(weight)
+    def _tags(self, arm: str, **more: str) -> dict[str, str]:
+        return {MODEL: self.model, ARM: arm, **more}
+
+    # -- gauges -----------------------------------------------------------------------------
+
+    def set_active_config(self, revision: str, weights: Mapping[str, float]) -> None:
+        self._revision, self._weights = revision, dict(weights)
+        self._running = {arm: self._running.get(arm, False) for arm in weights}
+        self.refresh_gauges()
+
+    def set_running(self, running: Mapping[str, bool]) -> None:
+        self._running = dict(running)
+        self.refresh_gauges()
+
+    def set_last_reload(self, *, ok: bool) -> None:
+        self._last_reload_ok = ok
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        """Set every gauge to its current value again (see the module docstring)."""
+        if self._revision:
+            self.config_info.set(1, {MODEL: self.model, REVISION: self._revision})
+        self.config_last_reload_success.set(1 if self._last_reload_ok else 0, {MODEL: self.model})
+        for arm, weight in self._weights.items():
+            self.arm_weight.set(weight, self._tags(arm))
+        for arm, is_running in self._running.items():
+            self.arm_running.set(1 if is_running else 0, self._tags(arm))
+
+    def count_reload(self, result: str) -> None:
+        self.config_reloads.inc(1, {MODEL: self.model, RESULT: result})
+        self.set_last_reload(ok=result == RELOAD_APPLIED)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def count_selection(self, arm: str, selected_by: str, fallback_from: str | None) -> None:
+        self.arm_selections.inc(1, self._tags(arm, **{SELECTED_BY: selected_by}))
+        if fallback_from is not None:
+            self.routing_fallbacks.inc(1, self._tags(fallback_from))
+
+    def count_request(self, arm: str, endpoint: str, outcome: str) -> None:
+        self.requests.inc(1, self._tags(arm, **{ENDPOINT: endpoint, OUTCOME: outcome}))
+
+    def observe_request(
+        self,
+        arm: str,
+        *,
+        e2e_s: float,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        output_tokens: int,
+    ) -> None:
+        """One successful request: latencies (TTFT and TPOT only when streamed) and tokens."""
+        tags = self._tags(arm)
+        self.e2e_latency.observe(e2e_s, tags)
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s, tags)
+        if tpot_s is not None:
+            self.time_per_output_token.observe(tpot_s, tags)
+        if output_tokens:
+            self.output_tokens.inc(output_tokens, tags)
 
     def observe_spec_decode(self, arm: str, stats: dict) -> None:
-        """Count one request's speculative-decoding stats (vLLM's per-request summary).
-
-        `acceptance_histogram[j]` counts verify steps that accepted exactly j draft tokens, and
-        acceptance is a prefix, so position p was accepted in every step with j > p.
-        """
-        histogram = stats.get("acceptance_histogram") or []
-        self.drafts.labels(arm).inc(stats.get("num_spec_steps", 0))
-        self.draft_tokens.labels(arm).inc(stats.get("num_draft_tokens", 0))
-        self.accepted_tokens.labels(arm).inc(stats.get("num_accepted_draft_tokens", 0))
-        for position in range(max(len(histogram) - 1, 0)):
-            self.accepted_per_position.labels(arm, str(position)).inc(
-                sum(histogram[position + 1 :])
-            )
+        """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
+        tags = self._tags(arm)
+        for counter, key in (
+            (self.drafts, "num_spec_steps"),
+            (self.draft_tokens, "num_draft_tokens"),
+            (self.accepted_tokens, "num_accepted_draft_tokens"),
+        ):
+            if stats.get(key):
+                counter.inc(stats[key], tags)
+        per_position = accepted_per_position(stats.get("acceptance_histogram") or [])
+        for position, accepted in enumerate(per_position):
+            if accepted:  # Ray's counters refuse increments of 0
+                self.accepted_per_position.inc(
+                    accepted, self._tags(arm, **{POSITION: str(position)})
+                )

@@ -24,7 +24,11 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address the OpenAI endpoint listens on.")
     port: int = Field(8000, description="Port of the OpenAI endpoint (Ray Serve HTTP proxy).")
-    metrics_port: int = Field(9464, description="Port of the router's Prometheus endpoint.")
+    metrics_port: int = Field(
+        9464,
+        description="Metrics export port of a local Ray cluster: the router, vLLM and Ray Serve "
+        "metrics of this node, in Prometheus format at /metrics.",
+    )
     config_poll_s: float = Field(
         1.0, gt=0, description="How often the config file is checked for a new revision."
     )

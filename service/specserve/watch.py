@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.config import ConfigError, LoadedConfig, parse_config, revision_of
-from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID, RouterMetrics
+from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +24,13 @@ class ConfigWatcher:
         path: str | Path,
         current: LoadedConfig,
         on_change: Callable[[LoadedConfig], object],
-        metrics: RouterMetrics | None = None,
+        on_result: Callable[[str], object] | None = None,
     ) -> None:
         self.path = Path(path)
         self.current = current
         self.on_change = on_change
-        self.metrics = metrics
+        # Told each new revision's result (metrics.RELOAD_APPLIED or RELOAD_INVALID).
+        self.on_result = on_result
         self.last_seen = current.revision
         self.last_error: str | None = None
 
@@ -74,6 +75,5 @@ class ConfigWatcher:
                 logger.exception("config watch failed")
 
     def _count(self, result: str) -> None:
-        if self.metrics is not None:
-            self.metrics.config_reloads.labels(result).inc()
-            self.metrics.config_last_reload_success.set(1 if result == RELOAD_APPLIED else 0)
+        if self.on_result is not None:
+            self.on_result(result)

@@ -26,10 +26,12 @@ def test_invalid_file_keeps_last_good_config(live, restore_config, bad):
     assert response.headers[headers.CONFIG_REVISION] == good_revision
 
 
-def test_ready_reports_an_arm_that_is_configured_but_not_deployed(live, restore_config):
+def test_arm_that_is_not_running_gets_no_weighted_or_sticky_traffic(live, restore_config):
+    from specserve.router.selection import sticky_arm
     from tests.conftest import render_config
 
-    ghost = render_config() + "  - {name: ghost, weight: 1}\n"
+    # A configured arm whose engine is not deployed (the Serve config has not caught up yet).
+    ghost = render_config() + "  - {name: ghost, weight: 100}\n"
     revision = live.write_config(ghost)
     ready = live.http.get("/ready")
     assert ready.status_code == 503
@@ -38,14 +40,35 @@ def test_ready_reports_an_arm_that_is_configured_but_not_deployed(live, restore_
         "revision": revision,
         "waiting": {"ghost": "NOT_DEPLOYED"},
     }
+
+    fallbacks_before = live.metric("specserve_routing_fallbacks_total", arm="ghost")
+    keys = [f"ghost-{i}" for i in range(16)]
+    for key in keys:
+        response = live.http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+            headers={"x-session-id": key},
+        )
+        assert response.status_code == 200, response.text
+        # Each key goes to its best-scoring running arm: where it would be without the ghost.
+        assert response.headers[headers.ARM] == sticky_arm(key, {"no-spec": 1, "ngram": 1})
+    all_weights = {"no-spec": 1, "ngram": 1, "ghost": 100}
+    expected = sum(sticky_arm(key, all_weights) == "ghost" for key in keys)
+    assert expected > 0
+    counted = live.wait_for_metric(
+        "specserve_routing_fallbacks_total", fallbacks_before + expected, arm="ghost"
+    )
+    assert counted == fallbacks_before + expected
+
     response = live.http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
         headers={headers.ARM_OVERRIDE: "ghost"},
     )
     assert response.status_code == 503
-    assert "not deployed" in response.json()["error"]["message"]
-    # The deployed arms keep serving meanwhile.
+    assert response.json()["error"]["message"] == "arm 'ghost' is not running"
+    assert response.headers[headers.CONFIG_REVISION] == revision
+    # The running arms keep serving meanwhile, overrides included.
     response = live.http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},

@@ -1,4 +1,6 @@
-"""An engine-level change redeploys only the arm it touches. Runs last: it restarts an engine."""
+"""An engine-level change redeploys only the arm it touches: the platform hands Ray Serve the
+whole Serve config and Ray Serve finds the one application that changed. Runs last: it restarts
+an engine."""
 
 import time
 
@@ -27,8 +29,7 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     assert no_spec_before and ngram_before
 
     live.write_config(render_config(k=2))
-    redeployed = live.platform.reconcile(load_config(live.config_path))
-    assert redeployed == ["ngram"]
+    live.platform.deploy(load_config(live.config_path))
     live.platform.wait_until_running(timeout_s=300)
 
     assert replica_actors("arm-no-spec") == no_spec_before
@@ -51,5 +52,5 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     assert r.json()["metrics"]["speculative_decoding"]["num_spec_tokens"] == 2
     # Put k back for anything that runs after.
     live.write_config(render_config())
-    assert live.platform.reconcile(load_config(live.config_path)) == ["ngram"]
+    live.platform.deploy(load_config(live.config_path))
     live.platform.wait_until_running(timeout_s=300)

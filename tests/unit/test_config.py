@@ -70,14 +70,14 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_fingerprint_ignores_weight_but_not_engine_settings():
+def test_engine_args_leave_out_weight_and_unset_defaults():
     config = parse_config(BASE)
     heavier = parse_config(BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 9}"))
-    deeper = parse_config(BASE.replace("num_speculative_tokens: 3", "num_speculative_tokens: 5"))
-    fp = {a.name: a.engine_fingerprint(config.model) for a in config.arms}
-    assert fp == {a.name: a.engine_fingerprint(heavier.model) for a in heavier.arms}
-    changed = {a.name for a in deeper.arms if a.engine_fingerprint(deeper.model) != fp[a.name]}
-    assert changed == {"ngram"}
+    assert [a.engine_args() for a in config.arms] == [a.engine_args() for a in heavier.arms]
+    assert config.arm("ngram").engine_args() == {
+        "name": "ngram",
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+    }
 
 
 def test_llm_config_carries_speculation_and_per_request_stats():
@@ -136,3 +136,37 @@ def test_default_config_eagle_arms_point_at_shipped_drafters():
         spec = build_llm_config(config.arm(name), model).engine_kwargs["speculative_config"]
         assert spec["method"] == "eagle3"
         assert spec["model"].endswith(f"specserve/drafters/{name}")
+
+
+def test_serve_config_is_the_router_app_plus_one_app_per_arm_without_weights():
+    from ray.serve.schema import ServeDeploySchema
+
+    from specserve.serve_config import serve_config
+
+    config = parse_config(BASE)
+    heavier = parse_config(BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 9}"))
+    document = serve_config(config, config_path="/etc/specserve/config.yaml")
+    ServeDeploySchema.model_validate(document)  # what `serve deploy` and KubeRay accept
+    names = [app["name"] for app in document["applications"]]
+    assert names == ["specserve", "arm-no-spec", "arm-ngram"]
+    assert document["applications"][0]["args"]["config_path"] == "/etc/specserve/config.yaml"
+    # A weight change leaves the Serve config as it is: Ray Serve redeploys nothing.
+    assert serve_config(heavier) == serve_config(config)
+    ngram = document["applications"][2]
+    assert ngram["route_prefix"] is None  # reached through the router only
+    assert ngram["args"]["arm"]["speculative"]["num_speculative_tokens"] == 3
+
+
+def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
+    from specserve.engine.arm import build_app
+    from specserve.serve_config import arm_application
+
+    import ray
+
+    config = parse_config(BASE)
+    try:
+        app = build_app(arm_application(config.arm("ngram"), config)["args"])
+    finally:
+        ray.shutdown()  # Ray Serve LLM starts a local Ray to build the deployment
+    deployment = app._bound_deployment  # the LLMServer deployment with its engine config
+    assert deployment.name == "arm-ngram"

@@ -1,40 +1,108 @@
-from specserve.metrics import RouterMetrics
+"""Router metrics: the arithmetic, and what Ray's exporter really publishes for them."""
+
+import time
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve import metrics as m
+from tests.conftest import free_port
 
 
-def test_spec_decode_stats_become_counters_per_arm_and_position():
-    metrics = RouterMetrics()
-    # 4 verify steps at k=3: accepted 0, 2, 3 and 3 draft tokens.
+def test_accepted_per_position_from_the_acceptance_histogram():
+    # 4 verify steps at k=3 accepted 0, 2, 3 and 3 draft tokens.
+    per_position = m.accepted_per_position([1, 0, 1, 2])
+    assert per_position == [3, 3, 2]
+    assert sum(per_position) == 0 * 1 + 2 * 1 + 3 * 2  # positions add up to the accepted total
+    assert m.accepted_per_position([]) == []
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    """A real one-CPU Ray node; its metrics agent exports what this process records."""
+    port = free_port()
+    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
+    try:
+        yield f"http://127.0.0.1:{port}/metrics"
+    finally:
+        ray.shutdown()
+
+
+def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
+    """Samples by (name, frozenset(own labels)) once `done(samples)`; `tick()` between scrapes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+            for s in family.samples:
+                if s.name.startswith(m.EXPORT_PREFIX + m.PREFIX):
+                    own = {k: v for k, v in s.labels.items() if k in OWN_LABELS}
+                    samples[(s.name, frozenset(own.items()))] = s.value
+        if done(samples) or time.monotonic() > deadline:
+            return samples
+        if tick is not None:
+            tick()
+        time.sleep(0.5)
+
+
+OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
+OWN_LABELS |= {m.SELECTED_BY, "le"}
+
+
+def test_router_metrics_as_ray_exports_them(exporter):
+    metrics = m.RouterMetrics("m1")
+    metrics.set_active_config("rev1", {"a": 1, "b": 3})
+    metrics.set_active_config("rev2", {"a": 2})  # b removed
+    metrics.set_running({"a": True})
+    metrics.count_reload(m.RELOAD_INVALID)
+    metrics.count_selection("a", m.SELECTED_BY_STICKY, fallback_from="b")
+    metrics.count_request("a", "chat", m.OUTCOME_OK)
+    metrics.observe_request("a", e2e_s=0.3, ttft_s=0.02, tpot_s=0.03, output_tokens=7)
     stats = {
         "acceptance_histogram": [1, 0, 1, 2],
         "num_spec_steps": 4,
         "num_accepted_draft_tokens": 8,
         "num_draft_tokens": 12,
-        "num_spec_tokens": 3,
     }
-    metrics.observe_spec_decode("ngram", stats)
-    get = metrics.registry.get_sample_value
-    assert get("specserve_spec_drafts_total", {"arm": "ngram"}) == 4
-    assert get("specserve_spec_draft_tokens_total", {"arm": "ngram"}) == 12
-    assert get("specserve_spec_accepted_tokens_total", {"arm": "ngram"}) == 8
-    per_position = [
-        get(
-            "specserve_spec_accepted_tokens_per_position_total",
-            {"arm": "ngram", "position": str(p)},
-        )
-        for p in range(3)
+    metrics.observe_spec_decode("a", stats)
+
+    def sample(name, **labels):
+        return (m.EXPORT_PREFIX + name, frozenset({"model": "m1", **labels}.items()))
+
+    def settled(samples):
+        # Every name exported, and the superseded gauge series aged out.
+        names = {name for name, _ in samples}
+        return names == m.exported_names() and sample(m.CONFIG_INFO, revision="rev1") not in samples
+
+    # Ray drops a gauge series two export intervals after its last update: the router sets its
+    # gauges again every second, and what it no longer sets disappears.
+    got = scrape_until(exporter, settled, tick=metrics.refresh_gauges)
+    assert {name for name, _ in got} == m.exported_names()
+
+    def value(name, **labels):
+        return got[sample(name, **labels)]
+
+    assert value(m.SPEC_DRAFTS + "_total", arm="a") == 4
+    assert value(m.SPEC_DRAFT_TOKENS + "_total", arm="a") == 12
+    assert value(m.SPEC_ACCEPTED_TOKENS + "_total", arm="a") == 8
+    positions = [
+        value(m.SPEC_ACCEPTED_PER_POSITION + "_total", arm="a", position=str(p)) for p in range(3)
     ]
-    assert per_position == [3, 3, 2]
-    assert sum(per_position) == 8  # positions add up to the accepted total
-    # vLLM's mean acceptance length, as docs/metrics.md computes it in PromQL.
-    assert 1 + 8 / 4 == 3.0
-
-
-def test_active_config_replaces_old_revision_and_weights():
-    metrics = RouterMetrics()
-    metrics.set_active_config("aaa", {"x": 1, "y": 2})
-    metrics.set_active_config("bbb", {"x": 3})
-    get = metrics.registry.get_sample_value
-    assert get("specserve_config_info", {"revision": "aaa"}) is None
-    assert get("specserve_config_info", {"revision": "bbb"}) == 1
-    assert get("specserve_arm_weight", {"arm": "x"}) == 3
-    assert get("specserve_arm_weight", {"arm": "y"}) is None
+    assert positions == [3, 3, 2]
+    assert value(m.OUTPUT_TOKENS + "_total", arm="a") == 7
+    assert value(m.REQUESTS + "_total", arm="a", endpoint="chat", outcome="ok") == 1
+    assert value(m.ARM_SELECTIONS + "_total", arm="a", selected_by="sticky") == 1
+    assert value(m.ROUTING_FALLBACKS + "_total", arm="b") == 1
+    assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
+    assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
+    assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1
+    # Only the active revision and the configured arms remain.
+    assert value(m.CONFIG_INFO, revision="rev2") == 1
+    assert sample(m.CONFIG_INFO, revision="rev1") not in got
+    assert value(m.ARM_WEIGHT, arm="a") == 2
+    assert sample(m.ARM_WEIGHT, arm="b") not in got
+    assert value(m.ARM_RUNNING, arm="a") == 1
+    assert value(m.CONFIG_RELOADS + "_total", result="invalid") == 1
+    assert value(m.CONFIG_LAST_RELOAD_SUCCESS) == 0

@@ -3,7 +3,15 @@ from collections import Counter
 
 import pytest
 
-from specserve.router.selection import UnknownArmError, choose_arm, random_arm, sticky_arm
+from specserve.metrics import SELECTED_BY_OVERRIDE, SELECTED_BY_STICKY, SELECTED_BY_WEIGHT
+from specserve.router.selection import (
+    ArmNotRunningError,
+    Selection,
+    UnknownArmError,
+    choose_arm,
+    random_arm,
+    sticky_arm,
+)
 
 KEYS = [f"user-{i}" for i in range(20_000)]
 
@@ -65,7 +73,7 @@ def test_adding_an_arm_moves_only_its_share():
 
 def test_override_wins_even_for_zero_weight_and_unknown_is_an_error():
     weights = {"a": 1, "b": 0}
-    assert choose_arm(weights, override="b", sticky_key="k") == "b"
+    assert choose_arm(weights, override="b", sticky_key="k") == Selection("b", SELECTED_BY_OVERRIDE)
     with pytest.raises(UnknownArmError, match="unknown arm 'zz'"):
         choose_arm(weights, override="zz")
 
@@ -74,10 +82,49 @@ def test_random_split_without_key_follows_weights():
     weights = {"a": 3, "b": 1}
     rng = random.Random(7)
     n = 20_000
-    counts = Counter(choose_arm(weights, rng=rng) for _ in range(n))
+    selections = [choose_arm(weights, rng=rng) for _ in range(n)]
+    assert {s.selected_by for s in selections} == {SELECTED_BY_WEIGHT}
+    counts = Counter(s.arm for s in selections)
     assert_close_to_weights({a: counts[a] / n for a in weights}, weights, n)
 
 
 def test_no_positive_weight_is_an_error():
     with pytest.raises(ValueError):
         sticky_arm("k", {"a": 0})
+
+
+def test_arms_that_are_not_running_get_no_weighted_or_sticky_traffic():
+    weights = {"a": 1, "b": 1, "c": 2}
+    running = {"a", "b"}
+    rng = random.Random(3)
+    n = 20_000
+    picks = [choose_arm(weights, running=running, rng=rng) for _ in range(n)]
+    assert {p.arm for p in picks} == {"a", "b"}
+    # c's half of the draws fell back and was counted; the rest splits by the running weights.
+    fell_back = [p for p in picks if p.fallback_from is not None]
+    assert {p.fallback_from for p in fell_back} == {"c"}
+    assert abs(len(fell_back) / n - 0.5) < 0.02
+    counts = Counter(p.arm for p in picks)
+    assert_close_to_weights({a: counts[a] / n for a in "ab"}, {"a": 1, "b": 1}, n)
+
+
+def test_sticky_keys_of_a_stopped_arm_fall_back_and_the_others_stay():
+    weights = {"a": 1, "b": 1, "c": 1}
+    for key in KEYS[:3000]:
+        usual = sticky_arm(key, weights)
+        got = choose_arm(weights, running={"a", "b"}, sticky_key=key)
+        assert got.selected_by == SELECTED_BY_STICKY
+        if usual == "c":
+            assert got.fallback_from == "c" and got.arm == sticky_arm(key, {"a": 1, "b": 1})
+        else:
+            assert got == Selection(usual, SELECTED_BY_STICKY)
+
+
+def test_override_to_an_arm_that_is_not_running_and_nothing_running_are_errors():
+    weights = {"a": 1, "b": 0}
+    with pytest.raises(ArmNotRunningError, match="arm 'a' is not running"):
+        choose_arm(weights, running={"b"}, override="a")
+    assert choose_arm(weights, running={"b"}, override="b").arm == "b"
+    # Only a weight-0 arm runs: nothing may take weighted traffic.
+    with pytest.raises(ArmNotRunningError, match=r"no arm with weight > 0 is running"):
+        choose_arm(weights, running={"b"}, sticky_key="k")

@@ -1,14 +1,10 @@
 import os
 
 from specserve.config import load_config
-from specserve.metrics import RouterMetrics
+from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 from specserve.watch import ConfigWatcher
 
 GOOD = "model: {name: m, source: s}\narms:\n  - {name: a, weight: %s}\n  - {name: b, weight: 1}\n"
-
-
-def sample(metrics, name, labels=None):
-    return metrics.registry.get_sample_value(name, labels or {})
 
 
 def make_configmap_dir(root, text):
@@ -33,16 +29,17 @@ def swap_configmap(root, text, name):
 def test_applies_new_revision_through_configmap_symlink_swap(tmp_path):
     path = make_configmap_dir(tmp_path, GOOD % 1)
     applied = []
-    metrics = RouterMetrics()
-    watcher = ConfigWatcher(path, load_config(path), applied.append, metrics)
+    results = []
+    watcher = ConfigWatcher(path, load_config(path), applied.append, results.append)
     assert watcher.check() is None  # unchanged
 
     swap_configmap(tmp_path, GOOD % 3, "..v2")
     new = watcher.check()
     assert new is not None and applied == [new]
     assert new.config.weights == {"a": 3.0, "b": 1.0}
-    assert sample(metrics, "specserve_config_reloads_total", {"result": "applied"}) == 1
+    assert results == [RELOAD_APPLIED]
     assert watcher.check() is None  # seen once, applied once
+    assert results == [RELOAD_APPLIED]
 
 
 def test_invalid_file_keeps_last_good_and_counts_once(tmp_path):
@@ -50,22 +47,21 @@ def test_invalid_file_keeps_last_good_and_counts_once(tmp_path):
     path.write_text(GOOD % 1)
     good = load_config(path)
     applied = []
-    metrics = RouterMetrics()
-    watcher = ConfigWatcher(path, good, applied.append, metrics)
+    results = []
+    watcher = ConfigWatcher(path, good, applied.append, results.append)
 
     path.write_text(GOOD % -5)
     assert watcher.check() is None
     assert watcher.check() is None
     assert applied == [] and watcher.current is good
     assert "arms.0.weight" in watcher.last_error
-    assert sample(metrics, "specserve_config_reloads_total", {"result": "invalid"}) == 1
-    assert sample(metrics, "specserve_config_last_reload_successful") == 0
+    assert results == [RELOAD_INVALID]
 
     # Rolling back to the good file restores its revision.
     path.write_text(GOOD % 1)
     restored = watcher.check()
     assert restored is not None and restored.revision == good.revision
-    assert sample(metrics, "specserve_config_last_reload_successful") == 1
+    assert results == [RELOAD_INVALID, RELOAD_APPLIED]
 
 
 def test_missing_file_mid_swap_is_not_an_error(tmp_path):

@@ -1,7 +1,7 @@
 """Build the Ray Serve LLM application that serves one arm.
 
-Each arm is its own Serve application (`arm-<name>`), so adding, changing or removing one arm
-redeploys that arm only; the router reaches it through a deployment handle.
+Each arm is its own Serve application (`arm-<name>`, see serve_config.py), so adding, changing or
+removing one arm redeploys that arm only; the router reaches it through a deployment handle.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, LLMServer, build_llm_deployment
 
-from specserve.config import ArmConfig, ModelConfig
+from specserve.config import ArmEngineConfig, ModelConfig
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
+from specserve.serve_config import arm_app_name
 
-ARM_APP_PREFIX = "arm-"
-# With `SPECSERVE_EXPOSE_ARMS`, each arm's own vLLM OpenAI server answers under this prefix,
-# bypassing the router (debugging, and measuring what the router adds).
-ARM_ROUTE_PREFIX = "/arms/"
 # Engine defaults for every arm; the arm's own `engine` settings win.
 ENGINE_DEFAULTS: dict[str, Any] = {
     # Per-request acceptance in the response body lets the router attribute it to the arm.
@@ -27,11 +24,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
-def arm_app_name(arm_name: str) -> str:
-    return ARM_APP_PREFIX + arm_name
-
-
-def speculative_config(arm: ArmConfig) -> dict[str, Any] | None:
+def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
     spec = arm.speculative
     if spec.method == "none":
         return None
@@ -41,7 +34,7 @@ def speculative_config(arm: ArmConfig) -> dict[str, Any] | None:
     return config
 
 
-def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
+def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
     engine_kwargs: dict[str, Any] = {**ENGINE_DEFAULTS, **arm.engine}
     spec = speculative_config(arm)
     if spec is None:
@@ -68,12 +61,13 @@ def build_llm_config(arm: ArmConfig, model: ModelConfig) -> LLMConfig:
     )
 
 
-def arm_route_prefix(arm_name: str) -> str:
-    return ARM_ROUTE_PREFIX + arm_name
-
-
-def build_arm_app(arm: ArmConfig, model: ModelConfig, *, expose_http: bool = False) -> Application:
-    """The arm's application; `expose_http` also serves vLLM's own HTTP app from the replica."""
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (`import_path` of an arm in the Serve config): plain args
+    `{model, arm, expose_http?}` as `serve_config.arm_application` writes them."""
+    arm = ArmEngineConfig.model_validate(args["arm"])
+    model = ModelConfig.model_validate(args["model"])
+    # `expose_http` also serves vLLM's own HTTP app from the replica, under the arm's prefix.
+    expose_http = bool(args.get("expose_http", False))
     return build_llm_deployment(
         build_llm_config(arm, model),
         override_serve_options={"name": arm_app_name(arm.name)},

@@ -1,8 +1,10 @@
 """The router: the OpenAI-compatible ingress deployment in front of the arms.
 
 Per request: validate (limits, model name, body schema), pick the arm (override header > sticky
-key > random by weight), forward to the arm's engine, and name the arm and config revision in the
-response headers. The config file is watched; a new valid revision changes routing at once.
+key > random by weight, among the arms whose engines are running), forward to the arm's engine,
+and name the arm and config revision in the response headers. The config file is watched; a new
+valid revision changes routing at once. Which arms run is read from Ray Serve in the background,
+so the request path never waits for it.
 """
 
 from __future__ import annotations
@@ -10,36 +12,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import start_http_server
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 from specserve import headers
 from specserve.config import LoadedConfig, RouterConfig, load_config
-from specserve.engine import arm_app_name
 from specserve.metrics import OUTCOME_CLIENT_ERROR, RouterMetrics
 from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
 from specserve.router.proxy import RequestRecord, forward
-from specserve.router.selection import UnknownArmError, choose_arm
+from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
+from specserve.serve_config import arm_app_name, arm_name_of_app
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
 
-ROUTER_APP_NAME = "specserve"
 ROUTER_DEPLOYMENT_NAME = "router"
 CHAT, COMPLETIONS = "chat", "completions"
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,
     COMPLETIONS: CompletionRequest,
 }
-_READY_CACHE_S = 1.0
+# How often the router asks Ray Serve which arms run.
+ARM_STATUS_POLL_S = 1.0
+RUNNING = "RUNNING"
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -123,32 +125,70 @@ def _model_card(config: RouterConfig) -> dict[str, Any]:
     return {"id": config.model.name, "object": "model", "created": 0, "owned_by": "specserve"}
 
 
+def _routable(app_status: Any) -> bool:
+    """An arm takes traffic while every deployment of its application has a running replica:
+    RUNNING, or DEPLOYING a new version while the old replicas still serve."""
+    if str(getattr(app_status.status, "value", app_status.status)) == RUNNING:
+        return True
+    deployments = app_status.deployments.values()
+    return bool(deployments) and all(d.replica_states.get(RUNNING, 0) > 0 for d in deployments)
+
+
 # `serve.ingress` pickles the app when the class is defined, so every helper it uses must
 # already exist: the deployment class comes last.
 @serve.deployment(name=ROUTER_DEPLOYMENT_NAME, max_ongoing_requests=1000)
 @serve.ingress(app)
 class Router:
-    def __init__(self, config_path: str, metrics_port: int, config_poll_s: float) -> None:
+    def __init__(self, config_path: str, config_poll_s: float) -> None:
         self.loaded = load_config(config_path)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.loaded.config.model.name)
         self.metrics.set_active_config(self.loaded.revision, self.loaded.config.weights)
-        self.metrics.config_last_reload_success.set(1)
-        start_http_server(metrics_port, registry=self.metrics.registry)
+        self.metrics.set_last_reload(ok=True)
         self.handles: dict[str, DeploymentHandle] = {}
-        self.watcher = ConfigWatcher(config_path, self.loaded, self._apply, self.metrics)
-        self._watch_task = asyncio.get_event_loop().create_task(self.watcher.run(config_poll_s))
-        self._ready: tuple[float, dict[str, str]] = (0.0, {})
+        # App status per arm, and the arms a request may be routed to (see _routable).
+        self.statuses: dict[str, str] = {}
+        self.running: frozenset[str] = frozenset()
+        self.watcher = ConfigWatcher(
+            config_path, self.loaded, self._apply, self.metrics.count_reload
+        )
+        loop = asyncio.get_event_loop()
+        self._tasks = [
+            loop.create_task(self.watcher.run(config_poll_s)),
+            loop.create_task(self._watch_arms(ARM_STATUS_POLL_S)),
+        ]
         logger.info("router serving config revision %s", self.loaded.revision)
 
-    # -- config ---------------------------------------------------------------------------
+    # -- config and arm states ------------------------------------------------------------
 
     def _apply(self, loaded: LoadedConfig) -> None:
         """Swap in a new config; a reference swap, so in-flight requests are untouched."""
         self.loaded = loaded
+        self.metrics.model = loaded.config.model.name
         self.metrics.set_active_config(loaded.revision, loaded.config.weights)
         for arm in set(self.handles) - set(loaded.config.weights):
             del self.handles[arm]
-        self._ready = (0.0, {})
+
+    async def _watch_arms(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self._refresh_arm_states()  # sets the gauges again, too
+            except Exception:
+                logger.exception("reading arm states from Ray Serve failed; keeping the last")
+                self.metrics.refresh_gauges()
+            await asyncio.sleep(interval_s)
+
+    async def _refresh_arm_states(self) -> None:
+        apps = (await asyncio.to_thread(serve.status)).applications
+        statuses, running = {}, set()
+        for name, app_status in apps.items():
+            arm = arm_name_of_app(name)
+            if arm is None:
+                continue
+            statuses[arm] = str(getattr(app_status.status, "value", app_status.status))
+            if _routable(app_status):
+                running.add(arm)
+        self.statuses, self.running = statuses, frozenset(running)
+        self.metrics.set_running({arm: arm in running for arm in self.loaded.config.weights})
 
     def _handle(self, arm: str) -> DeploymentHandle:
         handle = self.handles.get(arm)
@@ -169,12 +209,11 @@ class Router:
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
         """200 when every arm with weight > 0 is running, else 503 naming the others."""
-        statuses = await self._arm_statuses()
-        config = self.loaded.config
+        statuses = self.statuses
         waiting = {
             arm.name: statuses.get(arm.name, "NOT_DEPLOYED")
-            for arm in config.arms
-            if arm.weight > 0 and statuses.get(arm.name) != "RUNNING"
+            for arm in self.loaded.config.arms
+            if arm.weight > 0 and statuses.get(arm.name) != RUNNING
         }
         body = {"ready": not waiting, "revision": self.loaded.revision, "waiting": waiting}
         return JSONResponse(body, status_code=503 if waiting else 200)
@@ -203,14 +242,13 @@ class Router:
     async def _serve(self, request: Request, endpoint: str) -> Response:
         loaded = self.loaded  # one config for the whole request, even if a reload lands mid-way
         config = loaded.config
-        data = await _read_json(request, config.limits.max_body_bytes)
-        arm = self._pick_arm(request, data, config)
-        response_headers = {
-            headers.ARM: arm,
-            headers.CONFIG_REVISION: loaded.revision,
-        }
-        record = RequestRecord(arm=arm, endpoint=endpoint)
+        # Every answer names the config revision that handled it, and the arm once one is chosen.
+        response_headers = {headers.CONFIG_REVISION: loaded.revision}
         try:
+            data = await _read_json(request, config.limits.max_body_bytes)
+            arm = self._pick_arm(request, data, config)
+            response_headers[headers.ARM] = arm
+            record = RequestRecord(arm=arm, endpoint=endpoint)
             try:
                 _check_arm_supports(data, arm, config)
                 body, client_wants_usage = _validate(data, endpoint, config)
@@ -237,8 +275,9 @@ class Router:
         if not sticky_key and config.routing.use_user_field and isinstance(data.get("user"), str):
             sticky_key = data["user"]
         try:
-            return choose_arm(
+            selection = choose_arm(
                 config.weights,
+                running=self.running,
                 override=request.headers.get(headers.ARM_OVERRIDE),
                 sticky_key=sticky_key,
             )
@@ -246,15 +285,15 @@ class Router:
             raise OpenAIError(
                 400, str(exc), param=headers.ARM_OVERRIDE, code="unknown_arm"
             ) from None
+        except ArmNotRunningError as exc:
+            raise OpenAIError(503, str(exc), code="arm_not_running") from None
+        self.metrics.count_selection(*selection)
+        return selection.arm
 
-    async def _arm_statuses(self) -> dict[str, str]:
-        checked_at, statuses = self._ready
-        if time.monotonic() - checked_at > _READY_CACHE_S:
-            apps = (await asyncio.to_thread(serve.status)).applications
-            statuses = {
-                arm.name: str(getattr(apps[name].status, "value", apps[name].status))
-                for arm in self.loaded.config.arms
-                if (name := arm_app_name(arm.name)) in apps
-            }
-            self._ready = (time.monotonic(), statuses)
-        return statuses
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (`import_path` of the router in the Serve config): plain args
+    `{config_path, config_poll_s, replicas}` as `serve_config.router_application` writes them."""
+    return Router.options(num_replicas=int(args.get("replicas", 1))).bind(  # type: ignore[attr-defined]
+        args["config_path"], float(args.get("config_poll_s", 1.0))
+    )

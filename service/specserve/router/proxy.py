@@ -46,17 +46,21 @@ class RequestRecord:
 
     def finish(self, metrics: RouterMetrics) -> None:
         now = time.perf_counter()
-        metrics.requests.labels(self.arm, self.endpoint, self.outcome).inc()
+        metrics.count_request(self.arm, self.endpoint, self.outcome)
         if self.outcome != OUTCOME_OK:
             return
-        metrics.e2e_latency.labels(self.arm).observe(now - self.started)
-        metrics.output_tokens.labels(self.arm).inc(self.output_tokens)
+        ttft_s = tpot_s = None
         if self.first_token_at is not None:
-            metrics.time_to_first_token.labels(self.arm).observe(self.first_token_at - self.started)
+            ttft_s = self.first_token_at - self.started
             if self.output_tokens > 1:
-                metrics.time_per_output_token.labels(self.arm).observe(
-                    (now - self.first_token_at) / (self.output_tokens - 1)
-                )
+                tpot_s = (now - self.first_token_at) / (self.output_tokens - 1)
+        metrics.observe_request(
+            self.arm,
+            e2e_s=now - self.started,
+            ttft_s=ttft_s,
+            tpot_s=tpot_s,
+            output_tokens=self.output_tokens,
+        )
         if self.spec_decode:
             metrics.observe_spec_decode(self.arm, self.spec_decode)
 

@@ -1,10 +1,13 @@
-"""Arm selection: override > sticky key > random, all by the configured weights.
+"""Arm selection: override > sticky key > random, all by the configured weights of the arms
+that are running.
 
 Sticky keys use weighted rendezvous hashing: each (key, arm) pair gets a pseudo-random score
 `weight / -ln(u)` with `u` uniform in (0, 1) from a hash, and the key goes to the best-scoring arm.
 The chance an arm wins is its share of the weights; a key keeps its arm while the weights stay the
 same; and when one arm's weight grows, keys only move *to* that arm (when it shrinks, only *from*
-it), which is the least movement any scheme can have.
+it), which is the least movement any scheme can have. An arm that is not running drops out of
+the weights; its keys go to their next-best running arm and return when it runs again, while the
+keys of every other arm stay where they are.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+
+from specserve.metrics import SELECTED_BY_OVERRIDE, SELECTED_BY_STICKY, SELECTED_BY_WEIGHT
 
 _TWO_64 = float(2**64)
 
@@ -21,6 +27,18 @@ class UnknownArmError(LookupError):
     def __init__(self, arm: str, known: list[str]) -> None:
         super().__init__(f"unknown arm {arm!r}; arms: {', '.join(known)}")
         self.arm = arm
+
+
+class ArmNotRunningError(LookupError):
+    """The override header named an arm whose engine is not running, or no arm with weight > 0
+    is running at all."""
+
+
+class Selection(NamedTuple):
+    arm: str
+    selected_by: str  # one of metrics.SELECTED_BY_*
+    # The arm the weights or sticky key chose first, when it was not running.
+    fallback_from: str | None = None
 
 
 def _uniform(key: str, arm: str) -> float:
@@ -53,15 +71,32 @@ def random_arm(weights: Mapping[str, float], rng: random.Random | None = None) -
 def choose_arm(
     weights: Mapping[str, float],
     *,
+    running: Collection[str] | None = None,
     override: str | None = None,
     sticky_key: str | None = None,
     rng: random.Random | None = None,
-) -> str:
-    """Pick the arm for one request. An override may name any configured arm, even weight 0."""
+) -> Selection:
+    """Pick the arm for one request. An override may name any configured arm, even weight 0,
+    as long as it runs; the weights and sticky keys only ever pick running arms (all arms when
+    `running` is None)."""
+    is_running = (lambda arm: True) if running is None else (lambda arm: arm in running)
     if override is not None:
         if override not in weights:
             raise UnknownArmError(override, sorted(weights))
-        return override
-    if sticky_key:
-        return sticky_arm(sticky_key, weights)
-    return random_arm(weights, rng)
+        if not is_running(override):
+            raise ArmNotRunningError(f"arm {override!r} is not running")
+        return Selection(override, SELECTED_BY_OVERRIDE)
+    live = {arm: weight for arm, weight in weights.items() if is_running(arm)}
+    if not any(weight > 0 for weight in live.values()):
+        waiting = sorted(arm for arm, weight in weights.items() if weight > 0)
+        raise ArmNotRunningError(f"no arm with weight > 0 is running (waiting for {waiting})")
+    selected_by = SELECTED_BY_STICKY if sticky_key else SELECTED_BY_WEIGHT
+
+    def pick(among: Mapping[str, float]) -> str:
+        return sticky_arm(sticky_key, among) if sticky_key else random_arm(among, rng)
+
+    first = pick(weights)
+    if first in live:
+        return Selection(first, selected_by)
+    # For a sticky key this is its best-scoring running arm: the other arms keep their keys.
+    return Selection(pick(live), selected_by, fallback_from=first)

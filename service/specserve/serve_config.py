@@ -1,0 +1,86 @@
+"""The Ray Serve config built from a router config: the one description of what runs.
+
+The router is one application; each arm is another, built by an importable builder from plain
+arguments (the model and the arm's engine part, without its weight). `specserve serve` deploys
+this document to a local Ray cluster, `specserve config serve-config` prints it for `serve deploy`,
+and the Helm chart renders the same document into the RayService's `serveConfigV2`. Ray Serve
+compares each application's config with the running one and redeploys only those that changed:
+a new drafter redeploys its arm, a new weight redeploys nothing (the router reads weights from
+the config file itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.config import ArmConfig, RouterConfig
+
+ROUTER_APP_NAME = "specserve"
+ROUTER_BUILDER = "specserve.router.ingress:build_app"
+ARM_APP_PREFIX = "arm-"
+ARM_BUILDER = "specserve.engine.arm:build_app"
+# With `expose_arms`, each arm's own vLLM OpenAI server answers under this prefix, bypassing the
+# router (debugging, and measuring what the router adds).
+ARM_ROUTE_PREFIX = "/arms/"
+# Where the chart mounts the router config (a ConfigMap) in every Ray pod.
+MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
+HTTP_PORT = 8000
+
+
+def arm_app_name(arm_name: str) -> str:
+    return ARM_APP_PREFIX + arm_name
+
+
+def arm_name_of_app(app_name: str) -> str | None:
+    """The arm an application serves, None for any other application."""
+    return app_name.removeprefix(ARM_APP_PREFIX) if app_name.startswith(ARM_APP_PREFIX) else None
+
+
+def router_application(
+    *, config_path: str, config_poll_s: float = 1.0, replicas: int = 1
+) -> dict[str, Any]:
+    return {
+        "name": ROUTER_APP_NAME,
+        "route_prefix": "/",
+        "import_path": ROUTER_BUILDER,
+        "args": {"config_path": config_path, "config_poll_s": config_poll_s, "replicas": replicas},
+    }
+
+
+def arm_application(
+    arm: ArmConfig, config: RouterConfig, *, expose_http: bool = False
+) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model": config.model.model_dump(mode="json", exclude_unset=True),
+        "arm": arm.engine_args(),
+    }
+    if expose_http:
+        args["expose_http"] = True
+    return {
+        "name": arm_app_name(arm.name),
+        "route_prefix": ARM_ROUTE_PREFIX + arm.name if expose_http else None,
+        "import_path": ARM_BUILDER,
+        "args": args,
+    }
+
+
+def serve_config(
+    config: RouterConfig,
+    *,
+    config_path: str = MOUNTED_CONFIG_PATH,
+    config_poll_s: float = 1.0,
+    router_replicas: int = 1,
+    host: str = "0.0.0.0",
+    port: int = HTTP_PORT,
+    expose_arms: bool = False,
+) -> dict[str, Any]:
+    """The document `serve deploy` and a RayService's `serveConfigV2` take."""
+    router = router_application(
+        config_path=config_path, config_poll_s=config_poll_s, replicas=router_replicas
+    )
+    arms = [arm_application(arm, config, expose_http=expose_arms) for arm in config.arms]
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host, "port": port},
+        "applications": [router, *arms],
+    }

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.config import ConfigError, RouterConfig, load_config
+from specserve.cluster_config import DEFAULT_KEEP
+from specserve.config import ConfigError, RouterConfig, load_config, revision_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,46 @@ def main(argv: list[str] | None = None) -> int:
     diff_p = config_sub.add_parser("diff", help="what changes from config A to config B")
     diff_p.add_argument("a", type=Path)
     diff_p.add_argument("b", type=Path)
+    serve_config_p = config_sub.add_parser(
+        "serve-config",
+        help="the Ray Serve config (router app + one app per arm) for `serve deploy` or a "
+        "RayService's serveConfigV2",
+    )
+    serve_config_p.add_argument("file", type=Path)
+    serve_config_p.add_argument(
+        "--config-path",
+        help="where the router reads the config file at run time "
+        "(default: the ConfigMap mount path of the Helm chart)",
+    )
+    # The live config of a release on Kubernetes (specserve/cluster_config.py).
+    cluster_args = argparse.ArgumentParser(add_help=False)
+    cluster_args.add_argument("--release", default="specserve", help="Helm release (specserve)")
+    cluster_args.add_argument(
+        "-n", "--namespace", help="default: the kubeconfig context's namespace, else `default`"
+    )
+    cluster_args.add_argument("--context", help="kubeconfig context (default: the current one)")
+    cluster_args.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    apply_p = config_sub.add_parser(
+        "apply",
+        parents=[cluster_args],
+        help="validate a file and make it a release's live config, recorded in its history",
+    )
+    apply_p.add_argument("file", type=Path)
+    apply_p.add_argument(
+        "--keep",
+        type=_positive_int,
+        default=DEFAULT_KEEP,
+        help=f"history records kept at most ({DEFAULT_KEEP})",
+    )
+    config_sub.add_parser(
+        "history", parents=[cluster_args], help="a release's applied configs, newest first"
+    )
+    rollback_p = config_sub.add_parser(
+        "rollback",
+        parents=[cluster_args],
+        help="restore a recorded config (default: the one applied before the live one)",
+    )
+    rollback_p.add_argument("--to", metavar="REVISION", help="a revision or a unique prefix")
 
     model_p = sub.add_parser("model", help="target models")
     model_sub = model_p.add_subparsers(dest="model_command", required=True)
@@ -71,6 +112,21 @@ def main(argv: list[str] | None = None) -> int:
             lines = diff_configs(a.config, b.config)
             print("\n".join(lines) if lines else "no changes")
             return 0
+        if args.command == "config" and args.config_command == "serve-config":
+            import yaml
+
+            from specserve.serve_config import MOUNTED_CONFIG_PATH, serve_config
+
+            loaded = load_config(args.file)
+            document = serve_config(
+                loaded.config, config_path=args.config_path or MOUNTED_CONFIG_PATH
+            )
+            print(f"# specserve {loaded.revision}: `serve deploy` this file, or put it under")
+            print("# a RayService's spec.serveConfigV2")
+            print(yaml.safe_dump(document, sort_keys=False), end="")
+            return 0
+        if args.command == "config" and args.config_command in ("apply", "history", "rollback"):
+            return _cluster_config(args)
         if args.command == "model" and args.model_command == "prepare":
             from specserve.models import prepare_model
 
@@ -105,13 +161,77 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
         old, new = old_arms[name], new_arms[name]
         if old.weight != new.weight:
             lines.append(f"~ arm {name} weight {old.weight:g} -> {new.weight:g} (live)")
-        if old.engine_fingerprint(a.model) != new.engine_fingerprint(b.model):
-            before = old.model_dump(exclude={"weight"})
-            after = new.model_dump(exclude={"weight"})
-            changed = [k for k in after if before[k] != after[k]]
-            if changed:
-                lines.append(f"~ arm {name} {', '.join(changed)} changed (redeploys this arm)")
+        before = old.model_dump(exclude={"weight"})
+        after = new.model_dump(exclude={"weight"})
+        changed = [k for k in after if before[k] != after[k]]
+        if changed:
+            lines.append(f"~ arm {name} {', '.join(changed)} changed (redeploys this arm)")
     return lines
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _cluster_config(args: argparse.Namespace) -> int:
+    """`config apply | history | rollback` against a release on Kubernetes."""
+    from specserve import cluster_config
+
+    try:
+        if args.config_command == "apply":
+            # Validated before anything talks to the cluster: a bad file never gets there.
+            loaded = load_config(args.file)
+            raw = args.file.read_bytes()
+            if revision_of(raw) != loaded.revision:
+                raise ConfigError(f"{args.file}: changed while being read; apply it again")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{args.file}: not UTF-8 text, which a ConfigMap needs") from None
+        cluster = cluster_config.Cluster.connect(
+            release=args.release,
+            namespace=args.namespace,
+            context=args.context,
+            kubeconfig=args.kubeconfig,
+        )
+        if args.config_command == "history":
+            print("\n".join(cluster_config.history(cluster)))
+            return 0
+        if args.config_command == "apply":
+            outcome = cluster_config.apply(cluster, text, loaded.config, keep=args.keep)
+        else:
+            outcome = cluster_config.rollback(cluster, args.to)
+    except cluster_config.ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    where = f"ConfigMap {outcome.configmap} (namespace {cluster.namespace})"
+    if not outcome.changed:
+        print(f"revision {outcome.new_revision} is already live in {where}; nothing to do")
+        return 0
+    verb = "applied" if args.config_command == "apply" else "rolled back"
+    print(f"{verb}: {where}: revision {outcome.old_revision} -> {outcome.new_revision}")
+    if outcome.old_config is not None:
+        print("\n".join(diff_configs(outcome.old_config, outcome.new_config)) or "  no changes")
+    if outcome.old_revision != outcome.new_revision:
+        print(
+            "live: the routers serve the new revision without restart once the kubelet has "
+            "updated the mounted file (about a minute)"
+        )
+    arms = outcome.arms
+    if arms:
+        what = [f"redeploys {', '.join(arms.redeployed)}"] if arms.redeployed else []
+        what += [f"deletes {', '.join(arms.removed)}"] if arms.removed else []
+        print(
+            f"RayService {outcome.rayservice}: serveConfigV2 patched; Ray Serve {'; '.join(what)}"
+        )
+    else:
+        print(f"RayService {outcome.rayservice}: no arm engine changed, nothing redeploys")
+    if outcome.pruned:
+        print(f"history: deleted {', '.join(outcome.pruned)} (keeping {args.keep})")
+    return 0
 
 
 def _drafter(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install serve test test-unit check model drafters clean
+.PHONY: install serve test test-unit check generate model drafters clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,9 +37,16 @@ test-unit: install
 	$(BIN)/pytest -ra -m "not slow"
 
 check: install
-	$(BIN)/ruff format --check service tests
-	$(BIN)/ruff check service tests
+	$(BIN)/ruff format --check service tests grafana helm
+	$(BIN)/ruff check service tests grafana helm
 	$(BIN)/mypy service/specserve
+
+# Rewrite the files derived from other sources: the Grafana dashboards (grafana/ and the chart's
+# copies), the router-config part of the chart's values.schema.json, and the k8s/ manifests
+# rendered from the chart. Tests fail when the committed files differ from what this writes.
+generate: install
+	$(BIN)/python grafana/dashboards.py
+	$(BIN)/python helm/generate.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,173 @@
+"""Regenerate the deployment files derived from other sources (`make generate`):
+
+- the `config` part of helm/specserve/values.schema.json, from the router config's pydantic schema
+  (the rest of that file is written by hand);
+- k8s/: plain manifests for users without Helm, rendered from the chart with the real Helm engine
+  (helm-python-sdk) for both profiles: objects both profiles share go to `base/`, the others to
+  `overlays/cpu` and `overlays/gb200`, the monitoring custom resources to `components/monitoring`.
+
+tests/deploy checks that the committed files equal what this writes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "specserve"
+SCHEMA = CHART / "values.schema.json"
+K8S = ROOT / "k8s"
+PROFILES = {"cpu": [], "gb200": [CHART / "values-gb200.yaml"]}
+# The release the plain manifests stand for: `specserve config ... --release specserve`.
+RELEASE, NAMESPACE = "specserve", "specserve"
+MONITORING = {"enabled": True}
+MONITORING_KINDS = {"PodMonitor", "PrometheusRule"}
+# Helm's bookkeeping labels, which plain manifests do not carry.
+HELM_LABELS = {"helm.sh/chart": None, "app.kubernetes.io/managed-by": "kustomize"}
+
+
+def values_schema() -> dict[str, Any]:
+    """values.schema.json with its `config` part regenerated from the pydantic schema."""
+    from specserve.config import RouterConfig
+
+    schema = json.loads(SCHEMA.read_text())
+    config = RouterConfig.model_json_schema()
+    schema["$defs"] = config.pop("$defs")  # `$ref`s point at the document's root
+    config["description"] = (
+        "The router config (docs/config.md), generated from specserve's pydantic schema: "
+        "rendered into the router ConfigMap and the RayService's Serve config."
+    )
+    schema["properties"]["config"] = config
+    return schema
+
+
+def profile_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
+    """The values a profile installs with (values.yaml under the profile's file)."""
+    values: dict[str, Any] = {}
+    for path in PROFILES[profile]:
+        values = _merge(values, yaml.safe_load(path.read_text()))
+    if monitoring:
+        values = _merge(
+            values,
+            {"monitoring": {"podMonitor": MONITORING, "prometheusRule": MONITORING}},
+        )
+    return values
+
+
+def render(values: dict[str, Any], *, name: str = RELEASE, namespace: str = NAMESPACE) -> dict:
+    """Render the chart with the real Helm engine: {template path: manifest text}."""
+    import helm_python as helm
+
+    return helm.Chart.load(str(CHART)).render(
+        values, name=name, namespace=namespace, is_install=True
+    )
+
+
+def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    """Every Kubernetes object of a render (NOTES.txt and empty templates left out)."""
+    found = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".txt"):
+            continue
+        found += [doc for doc in yaml.safe_load_all(text) if doc]
+    return found
+
+
+def plain(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object as the plain manifests carry it: Helm's own labels swapped for kustomize's."""
+    obj = json.loads(json.dumps(obj))
+    for labels in _label_maps(obj):
+        for key, value in HELM_LABELS.items():
+            if key in labels:
+                if value is None:
+                    del labels[key]
+                else:
+                    labels[key] = value
+    return obj
+
+
+def key(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def k8s_files() -> dict[Path, str]:
+    """Every file under k8s/, by path relative to it."""
+    by_profile = {
+        profile: {key(o): plain(o) for o in objects(render(profile_values(profile)))}
+        for profile in PROFILES
+    }
+    monitoring = [
+        plain(o)
+        for o in objects(render(profile_values("cpu", monitoring=True)))
+        if o["kind"] in MONITORING_KINDS
+    ]
+    cpu, gb200 = by_profile["cpu"], by_profile["gb200"]
+    shared = sorted(k for k in cpu.keys() & gb200.keys() if cpu[k] == gb200[k])
+    files: dict[Path, str] = {}
+
+    def write(directory: str, objs: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+        names = []
+        for obj in objs:
+            name = f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+            files[Path(directory) / name] = _dump(obj)
+            names.append(name)
+        kustomization = {**extra, "resources": [*extra.get("resources", []), *names]}
+        files[Path(directory) / "kustomization.yaml"] = _HEADER + _dump(kustomization)
+
+    base = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    write("base", [cpu[k] for k in shared], base)
+    for profile, objs in by_profile.items():
+        own = [obj for k, obj in sorted(objs.items()) if k not in shared]
+        write(f"overlays/{profile}", own, {**base, "resources": ["../../base"]})
+    component = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component"}
+    write("components/monitoring", monitoring, component)
+    return files
+
+
+def main() -> int:
+    SCHEMA.write_text(json.dumps(values_schema(), indent=2) + "\n")
+    shutil.rmtree(K8S, ignore_errors=True)
+    for path, text in k8s_files().items():
+        (K8S / path).parent.mkdir(parents=True, exist_ok=True)
+        (K8S / path).write_text(text)
+    print(f"wrote {SCHEMA.relative_to(ROOT)} and {K8S.relative_to(ROOT)}/")
+    return 0
+
+
+_HEADER = "# Generated from helm/specserve by `make generate` (helm/generate.py); edit the chart.\n"
+
+
+def _dump(obj: Any) -> str:
+    return yaml.safe_dump(obj, sort_keys=False, width=100)
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Helm's values merge: maps merge key by key, everything else (lists too) is replaced."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _label_maps(obj: Any):
+    """Every `labels` map under `metadata` in an object, pod templates included."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("metadata"), dict) and isinstance(
+            obj["metadata"].get("labels"), dict
+        ):
+            yield obj["metadata"]["labels"]
+        for value in obj.values():
+            yield from _label_maps(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _label_maps(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

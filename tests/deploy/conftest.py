@@ -1,0 +1,96 @@
+"""Shared by the deployment tests: the chart rendered by the real Helm v4 engine (helm-python-sdk)
+through helm/generate.py, and validation against the Kubernetes and CRD schemas."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT.parent / "shared" / "schemas" / "crds"
+KUBERNETES_VERSION = "1.33.0"
+# Custom resources the chart renders, and the CRD file holding each one's schema.
+CRD_FILES = {
+    "RayService": "ray.io_rayservices.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+}
+
+
+def _load_generate():
+    spec = importlib.util.spec_from_file_location("helm_generate", ROOT / "helm" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _load_generate()
+
+
+def require_tool(name: str) -> str:
+    """The path of a command-line tool; CI must have it, elsewhere the test is skipped."""
+    # The venv's bin is not on PATH when pytest runs as .venv/bin/pytest.
+    path = shutil.which(name) or shutil.which(str(Path(sys.executable).parent / name))
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing; `make install` / .ci/run install it")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+@cache
+def crd_schema(kind: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / CRD_FILES[kind]).read_text())
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    text = yaml.safe_dump(version["schema"]["openAPIV3Schema"])
+    # Go regexps put flags anywhere (`^(?i)...`); Python's `re` wants them first.
+    text = re.sub(r"\^\(\?i\)", "(?i)^", text)
+    return yaml.safe_load(text)
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Validate an object: core kinds against Kubernetes' schemas (strict: unknown fields are
+    errors), custom resources against their CRD's openAPIV3Schema."""
+    import jsonschema
+    import kubernetes_validate
+
+    kind = obj["kind"]
+    if kind in CRD_FILES:
+        if not CRDS.exists():
+            pytest.skip(f"CRD schemas not found at {CRDS}")
+        jsonschema.validate(obj, crd_schema(kind), cls=jsonschema.Draft7Validator)
+    else:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objs, kind)
+    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
+    return found[0]
+
+
+def pod_specs(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every pod template of the RayService (head and worker groups)."""
+    cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [group["template"]["spec"] for group in groups]
+
+
+def render_objects(profile: str = "cpu", **overrides: Any) -> list[dict[str, Any]]:
+    values = generate._merge(generate.profile_values(profile), overrides)
+    return generate.objects(generate.render(values))

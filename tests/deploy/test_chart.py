@@ -1,0 +1,266 @@
+"""The Helm chart, rendered offline by the real Helm v4 engine for both profiles: valid objects,
+the router config and Serve config it carries, the restricted Pod Security profile, refused bad
+values, and values.schema.json in step with the router config's pydantic schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from specserve import cluster_config
+from specserve.config import parse_config, revision_of
+from specserve.serve_config import MOUNTED_CONFIG_PATH, serve_config
+from tests.deploy.conftest import (
+    by_kind,
+    generate,
+    one,
+    pod_specs,
+    render_objects,
+    validate,
+)
+
+PROFILES = ("cpu", "gb200")
+MONITORING_ON = {
+    "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
+}
+
+
+@pytest.fixture(scope="module", params=PROFILES)
+def rendered(request):
+    profile = request.param
+    return profile, render_objects(profile, **MONITORING_ON)
+
+
+def test_lint_is_clean_for_both_profiles():
+    import helm_python as helm
+
+    for profile in PROFILES:
+        values = generate.profile_values(profile)
+        report = helm.lint(str(generate.CHART), values=values, strict=True)
+        # Severity 1 is informational ("icon is recommended"); 2 and up are warnings and errors.
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert report["total_charts_linted"] == 1 and not problems, (profile, problems)
+
+
+def test_every_object_validates_against_kubernetes_and_crd_schemas(rendered):
+    _, objs = rendered
+    kinds = {o["kind"] for o in objs}
+    assert {"RayService", "ConfigMap", "Service", "PodMonitor", "PrometheusRule", "Role"} <= kinds
+    for obj in objs:
+        validate(obj)
+
+
+def test_router_configmap_is_the_values_config_with_its_revision(rendered):
+    profile, objs = rendered
+    live = next(
+        o
+        for o in by_kind(objs, "ConfigMap")
+        if o["metadata"]["labels"].get(cluster_config.COMPONENT_LABEL)
+        == cluster_config.LIVE_COMPONENT
+    )
+    text = live["data"][cluster_config.CONFIG_KEY]
+    config = parse_config(text)  # the routers accept it
+    values_config = _merge_chart_values(profile)["config"]
+    assert yaml.safe_load(text) == values_config
+    # `config apply | rollback` find it and read its revision the way the routers compute it.
+    labels = live["metadata"]["labels"]
+    assert labels[cluster_config.NAME_LABEL] == cluster_config.APP_NAME
+    assert labels[cluster_config.INSTANCE_LABEL] == generate.RELEASE
+    annotations = live["metadata"]["annotations"]
+    assert annotations[cluster_config.REVISION_KEY] == revision_of(text.encode())
+    assert config.model.name == values_config["model"]["name"]
+
+
+def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendered):
+    from ray.serve.schema import ServeDeploySchema
+
+    profile, objs = rendered
+    service = one(objs, "RayService")
+    document = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(document)
+    values = _merge_chart_values(profile)
+    expected = serve_config(
+        parse_config(yaml.safe_dump(values["config"])),
+        config_path=MOUNTED_CONFIG_PATH,
+        config_poll_s=values["router"]["configPollSeconds"],
+        router_replicas=values["router"]["replicas"],
+    )
+    assert document == expected
+    # Weights are not part of it: a weight change never redeploys an engine.
+    assert "weight" not in json.dumps(document)
+
+
+def test_pods_pass_the_restricted_pod_security_profile(rendered):
+    _, objs = rendered
+    for pod in pod_specs(objs):
+        assert pod["automountServiceAccountToken"] is False
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+        assert context["seccompProfile"]["type"] == "RuntimeDefault"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert not any("hostPath" in v for v in volumes.values())
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert not sc.get("privileged")
+            assert sc["runAsNonRoot"] is True
+            assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+            assert sc["readOnlyRootFilesystem"] is True
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            # Where Ray (sessions, logs) and vLLM (caches) write, on a read-only root.
+            for path in ("/tmp", "/home/ray", "/dev/shm"):
+                assert "emptyDir" in volumes[mounts[path]["name"]], path
+            config_mount = mounts["/etc/specserve"]
+            assert config_mount["readOnly"] is True
+            assert volumes[config_mount["name"]]["configMap"]["name"].endswith("-config")
+            env = {e["name"]: e for e in container["env"]}
+            assert env["SPECSERVE_CONFIG"]["value"] == MOUNTED_CONFIG_PATH
+
+
+def test_cpu_profile_is_the_embedded_default_without_gpus():
+    objs = render_objects("cpu")
+    config = _merge_chart_values("cpu")["config"]
+    assert [arm["name"] for arm in config["arms"]] == ["no-spec", "ngram", "eagle3", "eagle3.1"]
+    drafters = {arm["speculative"].get("model") for arm in config["arms"]}
+    assert {"package://eagle3", "package://eagle3.1"} <= drafters
+    assert config["model"]["source"] == "embedded://SmolLM2-135M-Instruct"
+    for pod in pod_specs(objs):
+        for container in pod["containers"]:
+            assert container["image"].endswith("-cpu")
+            assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    # Optional cluster features are off by default: no CRDs needed.
+    assert not by_kind(objs, "PodMonitor") and not by_kind(objs, "PrometheusRule")
+
+
+def test_gb200_profile_targets_4_gpu_arm64_trays_with_kimi_and_eagle_drafters():
+    objs = render_objects("gb200")
+    config = _merge_chart_values("gb200")["config"]
+    arms = {arm["name"]: arm for arm in config["arms"]}
+    assert list(arms) == ["no-spec", "eagle3", "eagle3.1"]
+    assert config["model"]["source"] == "nvidia/Kimi-K2.6-NVFP4"
+    assert config["model"]["accelerator"] == "gpu"
+    assert arms["eagle3.1"]["speculative"]["model"] == "lightseekorg/kimi-k2.6-eagle3.1-mla"
+    assert arms["eagle3"]["speculative"]["model"] == "lightseekorg/kimi-k2.6-eagle3-mla"
+    for arm in arms.values():
+        assert arm["engine"]["tensor_parallel_size"] == 4
+        assert arm["engine"]["kv_cache_dtype"] == "fp8"
+        assert arm["env"]["VLLM_USE_FLASHINFER_MOE_FP4"] == "1"
+    cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["rayStartParams"]["num-gpus"] == "4"
+    pod = workers["template"]["spec"]
+    assert pod["nodeSelector"] == {
+        "kubernetes.io/arch": "arm64",
+        "nvidia.com/gpu.product": "NVIDIA-GB200",
+    }
+    assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu", "kubernetes.io/arch"}
+    (container,) = pod["containers"]
+    assert container["image"].endswith("-gpu")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    probe = container["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 3600
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert "persistentVolumeClaim" in volumes["model-cache"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["HF_HOME"]["value"].startswith("/models")
+    head = cluster["headGroupSpec"]["rayStartParams"]
+    assert head["num-gpus"] == "0"
+    assert one(objs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_monitoring_objects_carry_the_stack_labels_and_the_rules_file():
+    objs = render_objects(
+        "cpu", monitoring={**MONITORING_ON["monitoring"], "labels": {"release": "kps"}}
+    )
+    monitor = one(objs, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "specserve",
+        "app.kubernetes.io/instance": generate.RELEASE,
+    }
+    # Every Ray pod exposes the port the monitor scrapes, and carries the labels it selects.
+    for pod in pod_specs(objs):
+        ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+        assert ports["metrics"] == 8080
+    rule = one(objs, "PrometheusRule")
+    rules_file = yaml.safe_load((generate.CHART / "rules/specserve-rules.yaml").read_text())
+    assert rule["spec"] == rules_file
+
+
+def test_dashboards_are_configmaps_for_grafanas_sidecar():
+    objs = render_objects("cpu")
+    dashboards = [
+        o for o in by_kind(objs, "ConfigMap") if o["metadata"]["labels"].get("grafana_dashboard")
+    ]
+    files = sorted((generate.CHART / "dashboards").glob("*.json"))
+    assert files and len(dashboards) == len(files)
+    for configmap in dashboards:
+        assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+        ((name, text),) = configmap["data"].items()
+        assert json.loads(text) == json.loads((generate.CHART / "dashboards" / name).read_text())
+    off = render_objects("cpu", monitoring={"dashboards": {"enabled": False}})
+    assert not [
+        o for o in by_kind(off, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]
+    ]
+
+
+def test_config_editor_role_grants_exactly_what_the_config_commands_use():
+    role = one(render_objects("cpu"), "Role")
+    granted = {
+        (resource if not rule["apiGroups"][0] else f"{resource}.{rule['apiGroups'][0]}", verb)
+        for rule in role["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    from tests.deploy.test_config_rollout import RBAC
+
+    assert granted == RBAC
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"bogus": 1}, "additional properties 'bogus' not allowed"),
+        ({"config": {"arms": [{"name": "a", "weight": 1, "wieght": 2}]}}, "'wieght' not allowed"),
+        ({"config": {"arms": [{"name": "a", "weight": -1}]}}, "/config/arms/0/weight"),
+        ({"config": {"arms": []}}, "/config/arms"),
+        ({"config": {"arms": [{"name": "a", "weight": 0}]}}, "at least one arm needs weight > 0"),
+        (
+            {"config": {"arms": [{"name": "a", "weight": 1}, {"name": "a", "weight": 1}]}},
+            'duplicate arm name "a"',
+        ),
+        ({"config": {"arms": [{"name": "Bad_Name", "weight": 1}]}}, "/config/arms/0/name"),
+        (
+            {"config": {"arms": [{"name": "a", "weight": 1, "speculative": {"method": "medusa"}}]}},
+            "/config/arms/0/speculative",
+        ),
+        ({"router": {"replicas": 0}}, "/router/replicas"),
+        ({"workerGroups": []}, "/workerGroups"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(values, message):
+    import helm_python as helm
+
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as info:
+        generate.render(values)
+    assert message in str(info.value)
+
+
+def test_values_schema_config_part_is_generated_from_the_pydantic_schema():
+    committed = json.loads(generate.SCHEMA.read_text())
+    assert committed == generate.values_schema(), "run `make generate`"
+
+
+def _chart_values() -> dict:
+    return yaml.safe_load((generate.CHART / "values.yaml").read_text())
+
+
+def _merge_chart_values(profile: str) -> dict:
+    return generate._merge(_chart_values(), generate.profile_values(profile))

@@ -173,6 +173,14 @@ class Prometheus:
         result = answer["data"]["result"]
         return result if answer["data"]["resultType"] == "vector" else [{"value": result}]
 
+    def query_range(self, expr: str, seconds: float, step_s: float = 5) -> list[dict]:
+        """The range vectors of `expr` over the last `seconds`."""
+        now = time.time()
+        params = {"query": expr, "start": now - seconds, "end": now, "step": step_s}
+        answer = httpx.get(f"{self.url}/api/v1/query_range", params=params, timeout=10).json()
+        assert answer["status"] == "success", (expr, answer)
+        return answer["data"]["result"]
+
     def rules(self) -> list[dict]:
         groups = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         return [rule for group in groups for rule in group["rules"]]

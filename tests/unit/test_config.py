@@ -158,10 +158,10 @@ def test_serve_config_is_the_router_app_plus_one_app_per_arm_without_weights():
 
 
 def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
+    import ray
+
     from specserve.engine.arm import build_app
     from specserve.serve_config import arm_application
-
-    import ray
 
     config = parse_config(BASE)
     try:

@@ -45,7 +45,7 @@ check: install
 # copies), the router-config part of the chart's values.schema.json, and the k8s/ manifests
 # rendered from the chart. Tests fail when the committed files differ from what this writes.
 generate: install
-	$(BIN)/python grafana/dashboards.py
+	$(BIN)/python -m grafana.dashboards
 	$(BIN)/python helm/generate.py
 
 clean:

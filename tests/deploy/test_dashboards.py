@@ -1,10 +1,10 @@
-"""The Grafana dashboards (grafana/dashboards.py): the committed files and the chart's copies are
-what the generator writes, and every query is PromQL over series specserve (or the Ray Serve and
-vLLM metrics the dashboards declare) exports, aggregated across router replicas and pods."""
+"""The Grafana dashboards (grafana/dashboards.py, their PromQL in grafana/promql.py): the committed
+files and the chart's copies are what the generator writes, and every query is PromQL over series
+specserve (or the Ray Serve and vLLM metrics the dashboards declare) exports, aggregated across
+router replicas and pods."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pytest
 import yaml
 
+from grafana import dashboards, promql
 from specserve.metrics import exported_names
 from tests.deploy.conftest import require_tool
 
@@ -22,18 +23,9 @@ GRAFANA = ROOT / "grafana"
 CHART_DASHBOARDS = ROOT / "helm" / "specserve" / "dashboards"
 
 
-def _load_dashboards():
-    spec = importlib.util.spec_from_file_location("grafana_dashboards", GRAFANA / "dashboards.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-dashboards = _load_dashboards()
 RENDERED: dict[str, str] = dashboards.render()
 BOARDS = {name: json.loads(text) for name, text in RENDERED.items()}
-ALLOWED_METRICS = exported_names() | dashboards.ENGINE_METRICS
+ALLOWED_METRICS = exported_names() | promql.ENGINE_METRICS
 
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 LABEL_LIST = re.compile(r"\b(?:by|on|without|ignoring|group_left|group_right)\s*\([^)]*\)")
@@ -123,18 +115,16 @@ def test_expressions_lists_every_query():
 @pytest.mark.parametrize("name", sorted(RENDERED))
 def test_template_variables(name):
     variables = {v["name"]: v for v in BOARDS[name]["templating"]["list"]}
-    assert list(variables) == ["datasource", *dashboards.VARIABLES]
+    assert list(variables) == ["datasource", *promql.VARIABLES]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    namespace, model, arm = (variables[n] for n in dashboards.VARIABLES)
-    assert namespace["query"] == f"label_values({dashboards.CONFIG_INFO}, namespace)"
+    namespace, model, arm = (variables[n] for n in promql.VARIABLES)
+    assert namespace["query"] == f"label_values({promql.CONFIG_INFO}, namespace)"
     # All must match series without a namespace label (a local platform).
     assert namespace["includeAll"] and namespace["allValue"] == ".*"
+    assert re.fullmatch(rf"label_values\({promql.CONFIG_INFO}(\{{.*\}})?, model\)", model["query"])
     assert re.fullmatch(
-        rf"label_values\({dashboards.CONFIG_INFO}(\{{.*\}})?, model\)", model["query"]
-    )
-    assert re.fullmatch(
-        rf'label_values\({dashboards.ARM_WEIGHT}\{{.*model=~"\$model".*\}}, arm\)', arm["query"]
+        rf'label_values\({promql.ARM_WEIGHT}\{{.*model=~"\$model".*\}}, arm\)', arm["query"]
     )
     assert arm["multi"] and arm["includeAll"] and arm["allValue"] == ".*"
     for variable in (namespace, model, arm):
@@ -147,7 +137,7 @@ def test_template_variables(name):
 @pytest.mark.parametrize("name", sorted(RENDERED))
 def test_revision_annotation(name):
     annotations = BOARDS[name]["annotations"]["list"]
-    revision = [a for a in annotations if dashboards.CONFIG_INFO in a.get("expr", "")]
+    revision = [a for a in annotations if promql.CONFIG_INFO in a.get("expr", "")]
     assert len(revision) == 1
     assert "{{revision}}" in revision[0]["titleFormat"]
     assert revision[0]["enable"] and revision[0]["datasource"]["uid"] == "${datasource}"
@@ -222,7 +212,7 @@ def test_query_uses_known_metrics_only(query):
 
 def test_every_listed_engine_metric_is_used():
     used = set().union(*(metric_names(q.expr) for q in QUERIES))
-    assert used >= dashboards.ENGINE_METRICS, sorted(dashboards.ENGINE_METRICS - used)
+    assert used >= promql.ENGINE_METRICS, sorted(promql.ENGINE_METRICS - used)
 
 
 @pytest.mark.parametrize("query", QUERIES, ids=QUERY_IDS)
@@ -243,10 +233,10 @@ def test_query_aggregates_across_replicas(query):
 @pytest.mark.parametrize("query", QUERIES, ids=QUERY_IDS)
 def test_query_filters_by_the_variables(query):
     refs = {named or plain for named, plain in VARIABLE_REF.findall(query.expr)}
-    assert refs <= {*dashboards.VARIABLES, "__rate_interval"}, refs
+    assert refs <= {*promql.VARIABLES, "__rate_interval"}, refs
     # Each variable only inside a regex matcher (`label=~"$var"`): All and multi-values are regexes.
     in_matchers = " ".join(REGEX_MATCHER.findall(query.expr))
-    for name in dashboards.VARIABLES:
+    for name in promql.VARIABLES:
         assert query.expr.count(f"${name}") == in_matchers.count(f"${name}"), name
     for metric, matchers in SELECTOR.findall(query.expr):
         assert 'namespace=~"$namespace"' in matchers, metric
@@ -260,7 +250,7 @@ def test_query_filters_by_the_variables(query):
 def test_expressions_are_valid_promql(tmp_path):
     promtool = require_tool("promtool")
     rules = [
-        {"record": f"dashboard:query_{i}", "expr": dashboards.resolve(expr)}
+        {"record": f"dashboard:query_{i}", "expr": promql.resolve(expr)}
         for i, (_, expr) in enumerate(dashboards.expressions())
     ]
     path = tmp_path / "rules.yaml"
@@ -276,7 +266,7 @@ def test_queries_compute_per_arm_figures_on_series_shaped_like_the_platforms(tmp
     namespace label as on a local platform): the per-arm join of vLLM's series, the speedup
     over the baseline, acceptance where an arm accepted nothing, the configured share."""
     promtool = require_tool("promtool")
-    d = dashboards
+    d = promql
     workers = ('WorkerId="w1", SessionName="s"', 'WorkerId="w2", SessionName="s"')
     series: list[dict[str, str]] = []
 
@@ -305,13 +295,13 @@ def test_queries_compute_per_arm_figures_on_series_shaped_like_the_platforms(tmp
 
     expected = {
         "Running requests": {"eagle3": 3, "no-spec": 2},
-        f"Speedup over {d.BASELINE_ARM}": {"eagle3": 4, "no-spec": 1},
+        f"Speedup over {dashboards.BASELINE_ARM}": {"eagle3": 4, "no-spec": 1},
         "Acceptance rate": {"eagle3": 0.6, "ngram": 0},
         "Traffic share: configured vs observed": {"eagle3": 0.75, "no-spec": 0.25},
     }
     titles = list(expected)
     rules = [
-        {"record": f"panel:{i}", "expr": dashboards.resolve(panel_expr(title))}
+        {"record": f"panel:{i}", "expr": promql.resolve(panel_expr(title))}
         for i, title in enumerate(titles)
     ]
     (tmp_path / "rules.yaml").write_text(

@@ -5,32 +5,22 @@ the revision annotation marks a config change, and every alert rule evaluates on
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from grafana import dashboards, promql
 from specserve import headers
 from tests.conftest import MODEL, render_config
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 ARMS = {"no-spec", "ngram"}  # the test platform's arms (tests/conftest.py)
 SPECULATIVE = {"ngram"}
 GHOST = "ghost"  # configured, never deployed: its weighted share falls back
 COPY_TASK = [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta " * 6}]
-
-
-def _dashboards():
-    spec = importlib.util.spec_from_file_location("dashboards", ROOT / "grafana/dashboards.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _load(client: httpx.Client, arm: str, stop: threading.Event) -> None:
@@ -118,7 +108,6 @@ def test_every_alert_rule_evaluates_without_error(prometheus, traffic):
 
 
 def test_every_dashboard_query_returns_data_for_its_arms(prometheus, traffic):
-    dashboards = _dashboards()
     queries = list(dashboards.expressions())
     assert len(queries) >= 20
     missing: dict[str, str] = {}
@@ -127,7 +116,7 @@ def test_every_dashboard_query_returns_data_for_its_arms(prometheus, traffic):
     while pending:
         missing = {}
         for title, expr in pending:
-            query = dashboards.resolve(expr)
+            query = promql.resolve(expr)
             if "(annotation)" in title:
                 # Marks a revision for a moment after it appears: look over the last minutes.
                 found = prometheus.query_range(query, seconds=600)

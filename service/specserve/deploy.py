@@ -71,6 +71,7 @@ class Platform:
             loaded.config,
             config_path=str(self.config_path),
             config_poll_s=s.config_poll_s,
+            router_replicas=s.router_replicas,
             host=s.host,
             port=s.port,
             expose_arms=s.expose_arms,

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
         description="Metrics export port of a local Ray cluster: the router, vLLM and Ray Serve "
         "metrics of this node, in Prometheus format at /metrics.",
     )
+    router_replicas: int = Field(
+        1, ge=1, description="Router replicas; any number share a node's metrics export port."
+    )
     config_poll_s: float = Field(
         1.0, gt=0, description="How often the config file is checked for a new revision."
     )

@@ -41,3 +41,22 @@ def test_diff_separates_live_changes_from_redeploys(tmp_path, capsys):
     assert "+ arm c weight 1 (new engine)" in out
     assert main(["config", "diff", str(a), str(a)]) == 0
     assert "no changes" in capsys.readouterr().out
+
+
+def test_serve_config_prints_the_document_serve_deploy_takes(tmp_path, capsys):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = tmp_path / "a.yaml"
+    path.write_text(A)
+    assert main(["config", "serve-config", str(path), "--config-path", "/cfg/c.yaml"]) == 0
+    document = yaml.safe_load(capsys.readouterr().out)
+    ServeDeploySchema.model_validate(document)
+    apps = {app["name"]: app for app in document["applications"]}
+    assert list(apps) == ["specserve", "arm-a", "arm-b"]
+    assert apps["specserve"]["args"]["config_path"] == "/cfg/c.yaml"
+    assert apps["arm-b"]["args"]["arm"] == {
+        "name": "b",
+        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+    }
+    assert main(["config", "serve-config", str(tmp_path / "missing.yaml")]) == 2

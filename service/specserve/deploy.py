@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import ray
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
@@ -92,7 +93,8 @@ class Platform:
         return ConfigWatcher(self.config_path, self.loaded, self.deploy)
 
     def wait_until_running(self, *, timeout_s: float) -> None:
-        """Block until every application is RUNNING; fail fast when one fails to deploy."""
+        """Block until every application is RUNNING and the router has seen them run (its
+        `/ready`); fail fast when one fails to deploy."""
         deadline = time.monotonic() + timeout_s
         expected = {app["name"] for app in self.serve_config(self.loaded)["applications"]}
         while True:
@@ -101,11 +103,19 @@ class Platform:
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:
                 raise DeployError(f"deployment failed: {failed}")
-            if all(status == "RUNNING" for status in statuses.values()):
+            if all(status == "RUNNING" for status in statuses.values()) and self._router_ready():
                 return
             if time.monotonic() > deadline:
                 raise DeployError(f"not running after {timeout_s:g} s: {statuses}")
             time.sleep(1)
+
+    def _router_ready(self) -> bool:
+        # The router reads arm states in the background (about once a second).
+        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::") else self.settings.host
+        try:
+            return httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5).is_success
+        except httpx.HTTPError:
+            return False
 
 
 def _status(app) -> str:

@@ -18,7 +18,7 @@ from tests.deploy.conftest import (
     one,
     pod_specs,
     render_objects,
-    validate,
+    validate_all,
 )
 
 PROFILES = ("cpu", "gb200")
@@ -48,8 +48,7 @@ def test_every_object_validates_against_kubernetes_and_crd_schemas(rendered):
     _, objs = rendered
     kinds = {o["kind"] for o in objs}
     assert {"RayService", "ConfigMap", "Service", "PodMonitor", "PrometheusRule", "Role"} <= kinds
-    for obj in objs:
-        validate(obj)
+    validate_all(objs)
 
 
 def test_router_configmap_is_the_values_config_with_its_revision(rendered):

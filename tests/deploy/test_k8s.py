@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.conftest import generate, require_tool, validate
+from tests.deploy.conftest import generate, require_tool, validate_all
 
 
 def kustomize(directory: Path) -> list[dict]:
@@ -49,7 +49,7 @@ def test_overlay_renders_the_objects_the_chart_installs(profile):
     assert from_kustomize.keys() == from_helm.keys()
     for k, obj in from_kustomize.items():
         assert obj == from_helm[k], k
-        validate(obj)
+    validate_all(list(from_kustomize.values()))
 
 
 def test_monitoring_component_adds_the_chart_monitors(tmp_path):

@@ -10,6 +10,7 @@ so the request path never waits for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -39,8 +40,10 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,
     COMPLETIONS: CompletionRequest,
 }
-# How often the router asks Ray Serve which arms run.
+# How often the router asks Ray Serve which arms run, and how long a new replica's first request
+# waits for the first answer.
 ARM_STATUS_POLL_S = 1.0
+ARM_STATES_WAIT_S = 10.0
 RUNNING = "RUNNING"
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
@@ -125,10 +128,14 @@ def _model_card(config: RouterConfig) -> dict[str, Any]:
     return {"id": config.model.name, "object": "model", "created": 0, "owned_by": "specserve"}
 
 
+def _status_text(app_status: Any) -> str:
+    return str(getattr(app_status.status, "value", app_status.status))
+
+
 def _routable(app_status: Any) -> bool:
     """An arm takes traffic while every deployment of its application has a running replica:
     RUNNING, or DEPLOYING a new version while the old replicas still serve."""
-    if str(getattr(app_status.status, "value", app_status.status)) == RUNNING:
+    if _status_text(app_status) == RUNNING:
         return True
     deployments = app_status.deployments.values()
     return bool(deployments) and all(d.replica_states.get(RUNNING, 0) > 0 for d in deployments)
@@ -148,6 +155,8 @@ class Router:
         # App status per arm, and the arms a request may be routed to (see _routable).
         self.statuses: dict[str, str] = {}
         self.running: frozenset[str] = frozenset()
+        # A new replica answers only once it knows which arms run (the first read, milliseconds).
+        self._arm_states_known = asyncio.Event()
         self.watcher = ConfigWatcher(
             config_path, self.loaded, self._apply, self.metrics.count_reload
         )
@@ -184,11 +193,17 @@ class Router:
             arm = arm_name_of_app(name)
             if arm is None:
                 continue
-            statuses[arm] = str(getattr(app_status.status, "value", app_status.status))
+            statuses[arm] = _status_text(app_status)
             if _routable(app_status):
                 running.add(arm)
         self.statuses, self.running = statuses, frozenset(running)
+        self._arm_states_known.set()
         self.metrics.set_running({arm: arm in running for arm in self.loaded.config.weights})
+
+    async def _wait_for_arm_states(self) -> None:
+        # When Ray Serve does not answer, route with what is known (nothing runs: 503).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._arm_states_known.wait(), ARM_STATES_WAIT_S)
 
     def _handle(self, arm: str) -> DeploymentHandle:
         handle = self.handles.get(arm)
@@ -244,6 +259,8 @@ class Router:
         config = loaded.config
         # Every answer names the config revision that handled it, and the arm once one is chosen.
         response_headers = {headers.CONFIG_REVISION: loaded.revision}
+        if not self._arm_states_known.is_set():
+            await self._wait_for_arm_states()
         try:
             data = await _read_json(request, config.limits.max_body_bytes)
             arm = self._pick_arm(request, data, config)

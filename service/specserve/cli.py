@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 
 from specserve.cluster_config import DEFAULT_KEEP
-from specserve.config import ConfigError, RouterConfig, load_config, revision_of
+from specserve.config import (
+    ConfigError,
+    RouterConfig,
+    load_config,
+    parse_config,
+    read_config_file,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,11 +188,10 @@ def _cluster_config(args: argparse.Namespace) -> int:
 
     try:
         if args.config_command == "apply":
-            # Validated before anything talks to the cluster: a bad file never gets there.
-            loaded = load_config(args.file)
-            raw = args.file.read_bytes()
-            if revision_of(raw) != loaded.revision:
-                raise ConfigError(f"{args.file}: changed while being read; apply it again")
+            # Validated before anything talks to the cluster: a bad file never gets there. The
+            # bytes validated are the bytes applied (one read).
+            raw = read_config_file(args.file)
+            config = parse_config(raw, source=str(args.file))
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -201,7 +206,7 @@ def _cluster_config(args: argparse.Namespace) -> int:
             print("\n".join(cluster_config.history(cluster)))
             return 0
         if args.config_command == "apply":
-            outcome = cluster_config.apply(cluster, text, loaded.config, keep=args.keep)
+            outcome = cluster_config.apply(cluster, text, config, keep=args.keep)
         else:
             outcome = cluster_config.rollback(cluster, args.to)
     except cluster_config.ClusterError as exc:

@@ -201,12 +201,15 @@ def parse_config(raw: bytes | str, *, source: str = "<config>") -> RouterConfig:
         raise ConfigError(f"{source}: {_describe(exc)}") from None
 
 
-def load_config(path: str | Path) -> LoadedConfig:
-    path = Path(path)
+def read_config_file(path: str | Path) -> bytes:
     try:
-        raw = path.read_bytes()
+        return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    raw = read_config_file(path)
     config = parse_config(raw, source=str(path))
     return LoadedConfig(config=config, revision=revision_of(raw), path=str(path))
 

@@ -42,6 +42,8 @@ arms:
                 VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
   - name: ngram
     weight: {ngram_weight}
+    max_ongoing_requests: {ngram_ongoing}
+    max_queued_requests: {ngram_queued}
     speculative: {{method: ngram, num_speculative_tokens: {k},
                   prompt_lookup_max: 4, prompt_lookup_min: 2}}
     engine: *engine
@@ -50,8 +52,19 @@ arms:
 """
 
 
+# The ngram arm's bounded queues (the overload tests fill them): per engine replica, and per
+# router replica.
+NGRAM_ONGOING, NGRAM_QUEUED = 4, 4
+
+
 def render_config(no_spec_weight: float = 1, ngram_weight: float = 1, k: int = 3) -> str:
-    return TEST_CONFIG.format(no_spec_weight=no_spec_weight, ngram_weight=ngram_weight, k=k)
+    return TEST_CONFIG.format(
+        no_spec_weight=no_spec_weight,
+        ngram_weight=ngram_weight,
+        k=k,
+        ngram_ongoing=NGRAM_ONGOING,
+        ngram_queued=NGRAM_QUEUED,
+    )
 
 
 def free_port() -> int:

@@ -94,6 +94,18 @@ class ArmEngineConfig(_Strict):
         description="The draft configuration this arm serves.",
     )
     replicas: int = Field(1, ge=1, description="Engine replicas of this arm.")
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one engine replica works on at once (vLLM batches them); the "
+        "rest wait in the router. Default: the engine's `max_num_seqs`, else 256.",
+    )
+    max_queued_requests: int = Field(
+        64,
+        ge=1,
+        description="Requests each router replica holds for this arm while its engines are "
+        "full; beyond that a request gets 429 with Retry-After at once.",
+    )
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra vLLM engine arguments (e.g. dtype, enforce_eager, max_num_seqs).",
@@ -139,6 +151,11 @@ class RoutingConfig(_Strict):
 class LimitsConfig(_Strict):
     max_tokens: int = Field(
         2048, gt=0, description="Largest `max_tokens` a request may ask for; more is a 400."
+    )
+    max_n: int = Field(
+        16,
+        gt=0,
+        description="Largest `n` (choices per request) a request may ask for; more is a 400.",
     )
     max_body_bytes: int = Field(
         1_000_000, gt=0, description="Largest request body accepted; more is a 413."

@@ -49,6 +49,9 @@ OUTCOME_OK = "ok"
 OUTCOME_CLIENT_ERROR = "client_error"  # 4xx: the request was bad
 OUTCOME_SERVER_ERROR = "server_error"  # 5xx: the arm or the router failed
 OUTCOME_CANCELLED = "cancelled"  # the client went away mid-request
+OUTCOME_REJECTED = "rejected"  # 429/503: the arm was at capacity or not running; retry later
+# The arm label of requests refused before an arm was chosen (no arm name can start with "-").
+NO_ARM = "-"
 # How the arm of a request was chosen (label values of specserve_arm_selections_total).
 SELECTED_BY_OVERRIDE = "override"  # the override header named it
 SELECTED_BY_STICKY = "sticky"  # a sticky key hashed onto the weights of running arms

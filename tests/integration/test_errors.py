@@ -33,6 +33,19 @@ def assert_openai_error(response, status, *, param=None, contains=""):
         ({"model": MODEL, "messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "at most"),
         ({"model": MODEL, "messages": "hello"}, 400, "messages", ""),
         ({"model": MODEL, "messages": MSG, "temperature": "hot"}, 400, "temperature", ""),
+        (b"[" * 5000 + b"]" * 5000, 400, None, "deeper than"),
+        (b'{"model": ' + b"[" * 100 + b"]" * 100 + b"}", 400, None, "deeper than"),
+        (b'{"model": "\xff\xfe"}', 400, None, "not valid JSON"),
+        ({"model": MODEL, "messages": MSG, "temperature": -1}, 400, "temperature", ""),
+        ({"model": MODEL, "messages": MSG, "n": 10**6}, 400, "n", ""),
+        ({"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 10**4}, 400, None, ""),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            400,
+            "messages.0.content",
+            "",
+        ),
+        ({"model": MODEL, "messages": MSG, "stream": "maybe"}, 400, "stream", ""),
     ],
 )
 def test_bad_requests(live, body, status, param, contains):
@@ -41,6 +54,27 @@ def test_bad_requests(live, body, status, param, contains):
     else:
         response = live.http.post(CHAT, json=body)
     assert_openai_error(response, status, param=param, contains=contains)
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "status"), [(1023, 200), (1024, 400)], ids=["fits", "one-over"]
+)
+def test_prompt_at_the_context_boundary(live, prompt_tokens, status):
+    """Context 1024: a prompt of 1023 tokens leaves room for exactly one more."""
+    body = {"model": MODEL, "prompt": [42] * prompt_tokens, "max_tokens": 1}
+    response = live.http.post("/v1/completions", json=body)
+    if status == 200:
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1023, 1)
+    else:  # vLLM: no room left for max_tokens
+        assert_openai_error(response, 400, contains="max_tokens")
+
+
+def test_negative_token_ids_are_refused(live):
+    body = {"model": MODEL, "prompt": [5, -3, 7], "max_tokens": 2}
+    response = live.http.post("/v1/completions", json=body)
+    assert_openai_error(response, 400, param="prompt.1", contains="greater than or equal to 0")
 
 
 def test_unknown_arm_override(live):

@@ -22,6 +22,30 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # Per-request acceptance in the response body lets the router attribute it to the arm.
     "per_request_spec_decode_metrics": "summary",
 }
+# vLLM's own `max_num_seqs` default: what an engine batches when the arm does not say.
+DEFAULT_MAX_NUM_SEQS = 256
+# A request refused because the arm's queue is full: 429 (what OpenAI answers when overloaded,
+# and what its clients back off on) and when to try again.
+OVERLOAD_STATUS = 429
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
+    """Ray Serve options of the arm's engine deployment: replicas and bounded queues. An engine
+    replica takes what it can batch; the excess waits in each router's handle queue, and
+    beyond that is refused at once instead of waiting without bound."""
+    max_ongoing = arm.max_ongoing_requests or int(
+        arm.engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    )
+    return {
+        "num_replicas": arm.replicas,
+        "max_ongoing_requests": max_ongoing,
+        "max_queued_requests": arm.max_queued_requests,
+        "backpressure_config": {
+            "status_code": OVERLOAD_STATUS,
+            "retry_after_s": OVERLOAD_RETRY_AFTER_S,
+        },
+    }
 
 
 def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
@@ -54,7 +78,7 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
         engine_kwargs=engine_kwargs,
         runtime_env={"env_vars": dict(arm.env)} if arm.env else None,
         accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
-        deployment_config={"num_replicas": arm.replicas},
+        deployment_config=deployment_config(arm),
         # Pass stream chunks through one by one instead of batching them every 50 ms.
         experimental_configs={"stream_batching_interval_ms": 0},
         log_engine_metrics=True,

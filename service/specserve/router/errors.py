@@ -7,16 +7,22 @@ traceback in the log under the request id.
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from ray.exceptions import TaskCancelledError
+from ray.serve.context import _get_serve_request_context
 from starlette.exceptions import HTTPException
 
-from specserve.headers import REQUEST_ID
-
 logger = logging.getLogger(__name__)
+
+# Status of a response nobody receives (nginx's convention for a client that left).
+CLIENT_CLOSED_REQUEST = 499
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "none", "literal"})
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -48,6 +54,13 @@ class OpenAIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
 
 
+def request_id() -> str:
+    """Ray Serve's id of the request being handled: its proxy generates it (or takes the client's
+    `x-request-id`) and returns it in the response's `x-request-id` header. Ray exposes the
+    request context only through this private accessor."""
+    return _get_serve_request_context().request_id or "-"
+
+
 def error_body(status: int, message: str, *, param=None, code=None, type=None) -> dict:
     return {
         "error": {
@@ -67,12 +80,20 @@ def error_response(err: OpenAIError) -> JSONResponse:
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
     """The first problem of a pydantic validation error, named by its field."""
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in first.get("loc", ()) if _names_a_field(p)]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return OpenAIError(400, message, param=param)
+
+
+def _names_a_field(part: object) -> bool:
+    """Whether a pydantic error location part is a field name or list index, not the tag of a
+    union member or type (`ChatCompletionUserMessageParam`, `str`, `list[constrained-int]`)."""
+    if isinstance(part, int):
+        return True
+    return bool(_FIELD_NAME.fullmatch(str(part))) and part not in _TYPE_TAGS
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -90,6 +111,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        request_id = request.headers.get(REQUEST_ID, "-")
-        logger.exception("request %s failed", request_id)
+        if isinstance(exc, TaskCancelledError):
+            # The client went away mid-stream (Ray Serve cancels the request): no one to answer.
+            logger.info("request %s: client disconnected", request_id())
+            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+        logger.exception("request %s failed", request_id())
         return error_response(OpenAIError(500, "Internal Server Error", type="server_error"))

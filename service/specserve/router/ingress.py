@@ -25,7 +25,7 @@ from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionReq
 
 from specserve import headers
 from specserve.config import LoadedConfig, RouterConfig, load_config
-from specserve.metrics import OUTCOME_CLIENT_ERROR, RouterMetrics
+from specserve.metrics import RouterMetrics
 from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
 from specserve.router.proxy import RequestRecord, forward
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
@@ -45,6 +45,9 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
 ARM_STATUS_POLL_S = 1.0
 ARM_STATES_WAIT_S = 10.0
 RUNNING = "RUNNING"
+# Deeper JSON is refused before validation: no OpenAI request nests near this (a tool schema a
+# few levels), and pydantic and pickling across Ray recurse once per level.
+MAX_JSON_DEPTH = 64
 
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -56,11 +59,33 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
         raise OpenAIError(413, f"request body is {len(raw)} bytes; the limit is {max_body_bytes}")
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except RecursionError:
+        data = None  # nested beyond the parser's stack: refused below, before any walk
+    except ValueError as exc:  # UnicodeDecodeError included
         raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
+    # Only a body with more brackets than the limit can nest deeper than it (a C-speed count).
+    too_deep = data is None or (
+        raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth_exceeds(data, MAX_JSON_DEPTH)
+    )
+    if too_deep:
+        raise OpenAIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(data, dict):
         raise OpenAIError(400, "request body must be a JSON object")
     return data
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays/objects nest deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tuple[Any, bool]:
@@ -70,17 +95,20 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
         raise OpenAIError(400, "model: field required", param="model")
     if model != config.model.name:
         raise _unknown_model(model, config)
-    for key in ("max_tokens", "max_completion_tokens"):
+    limits = config.limits
+    for key, most in (
+        ("max_tokens", limits.max_tokens),
+        ("max_completion_tokens", limits.max_tokens),
+        ("n", limits.max_n),
+    ):
         value = data.get(key)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise OpenAIError(400, f"{key} must be a positive integer, got {value!r}", param=key)
-        if value > config.limits.max_tokens:
+        if value > most:
             raise OpenAIError(
-                400,
-                f"{key} is {value}; this deployment allows at most {config.limits.max_tokens}",
-                param=key,
+                400, f"{key} is {value}; this deployment allows at most {most}", param=key
             )
     stream_options = data.get("stream_options")
     client_wants_usage = isinstance(stream_options, dict) and bool(
@@ -257,24 +285,20 @@ class Router:
     async def _serve(self, request: Request, endpoint: str) -> Response:
         loaded = self.loaded  # one config for the whole request, even if a reload lands mid-way
         config = loaded.config
-        # Every answer names the config revision that handled it, and the arm once one is chosen.
+        # Every answer names the config revision that handled it, and the arm once one is chosen;
+        # every request is counted once, by outcome, refused ones included.
         response_headers = {headers.CONFIG_REVISION: loaded.revision}
+        record = RequestRecord(endpoint=endpoint)
         if not self._arm_states_known.is_set():
             await self._wait_for_arm_states()
         try:
             data = await _read_json(request, config.limits.max_body_bytes)
-            arm = self._pick_arm(request, data, config)
-            response_headers[headers.ARM] = arm
-            record = RequestRecord(arm=arm, endpoint=endpoint)
-            try:
-                _check_arm_supports(data, arm, config)
-                body, client_wants_usage = _validate(data, endpoint, config)
-            except OpenAIError:
-                record.outcome = OUTCOME_CLIENT_ERROR
-                record.finish(self.metrics)
-                raise
+            record.arm = self._pick_arm(request, data, config)
+            response_headers[headers.ARM] = record.arm
+            _check_arm_supports(data, record.arm, config)
+            body, client_wants_usage = _validate(data, endpoint, config)
             return await forward(
-                self._handle(arm),
+                self._handle(record.arm),
                 endpoint,
                 body,
                 record,
@@ -284,7 +308,11 @@ class Router:
                 timeout_s=config.limits.request_timeout_s,
             )
         except OpenAIError as exc:
-            exc.headers = response_headers
+            record.fail(exc.status, self.metrics)
+            exc.headers = {**response_headers, **(exc.headers or {})}
+            raise
+        except Exception:
+            record.fail(500, self.metrics)
             raise
 
     def _pick_arm(self, request: Request, data: dict[str, Any], config: RouterConfig) -> str:

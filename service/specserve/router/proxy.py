@@ -10,41 +10,63 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from specserve.metrics import (
+    NO_ARM,
     OUTCOME_CANCELLED,
     OUTCOME_CLIENT_ERROR,
     OUTCOME_OK,
+    OUTCOME_REJECTED,
     OUTCOME_SERVER_ERROR,
     RouterMetrics,
 )
-from specserve.router.errors import OpenAIError
+from specserve.router.errors import OpenAIError, error_body, request_id
 
 logger = logging.getLogger(__name__)
 
 _SSE_DONE = "data: [DONE]"
+# Statuses that mean "at capacity, come back later" rather than a failure.
+REJECTED_STATUSES = frozenset({429, 503})
+
+
+def outcome_of_status(status: int) -> str:
+    if status in REJECTED_STATUSES:
+        return OUTCOME_REJECTED
+    return OUTCOME_CLIENT_ERROR if status < 500 else OUTCOME_SERVER_ERROR
 
 
 @dataclass
 class RequestRecord:
-    """What one request did on its arm; turned into metrics when it ends."""
+    """What one request did; turned into metrics once, when it ends. The arm stays `NO_ARM`
+    for a request refused before one was chosen."""
 
-    arm: str
     endpoint: str
+    arm: str = NO_ARM
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     output_tokens: int = 0
     spec_decode: dict[str, Any] | None = None
     outcome: str = OUTCOME_OK
+    finished: bool = False
+
+    def fail(self, status: int, metrics: RouterMetrics) -> None:
+        """End the request with the outcome its HTTP status means."""
+        self.outcome = outcome_of_status(status)
+        self.finish(metrics)
 
     def finish(self, metrics: RouterMetrics) -> None:
+        if self.finished:
+            return
+        self.finished = True
         now = time.perf_counter()
         metrics.count_request(self.arm, self.endpoint, self.outcome)
         if self.outcome != OUTCOME_OK:
@@ -78,9 +100,19 @@ def _engine_error(chunk: Any) -> Any | None:
 
 def _raise_engine_error(status: int, detail: Any) -> None:
     if status >= 500:
-        logger.error("engine error %s: %s", status, detail.message)
+        logger.error("request %s: engine error %s: %s", request_id(), status, detail.message)
         raise OpenAIError(status, "Internal Server Error", type="server_error")
     raise OpenAIError(status, detail.message, type=detail.type, param=detail.param)
+
+
+def _overloaded(exc: BackPressureError, arm: str) -> OpenAIError:
+    retry_after_s = max(1, math.ceil(exc.retry_after_s or 1))
+    return OpenAIError(
+        exc.status_code if exc.status_code in REJECTED_STATUSES else 503,
+        f"arm {arm!r} is at capacity (its request queue is full); retry after {retry_after_s} s",
+        code="arm_overloaded",
+        headers={"retry-after": str(retry_after_s)},
+    )
 
 
 async def forward(
@@ -94,27 +126,30 @@ async def forward(
     headers: dict[str, str],
     timeout_s: float,
 ) -> Response:
-    """Call `method` (chat or completions) on the arm and build the HTTP response."""
+    """Call `method` (chat or completions) on the arm and build the HTTP response. `timeout_s`
+    bounds the whole request, a stream included."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     generator = getattr(handle, method).remote(body, None)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(deadline):
             first = await generator.__anext__()
     except TimeoutError:
         generator.cancel()
-        record.outcome = OUTCOME_SERVER_ERROR
-        record.finish(metrics)
+        record.fail(504, metrics)
         raise OpenAIError(504, f"no response from the model within {timeout_s:g} s") from None
+    except BackPressureError as exc:
+        overloaded = _overloaded(exc, record.arm)
+        record.fail(overloaded.status, metrics)
+        raise overloaded from None
     except Exception:
-        record.outcome = OUTCOME_SERVER_ERROR
-        record.finish(metrics)
+        record.fail(500, metrics)
         raise
     chunk = first[0] if isinstance(first, list) else first
     error = _engine_error(chunk)
     if error is not None:
         generator.cancel()
         status = int(error.code) if str(error.code).isdigit() else 500
-        record.outcome = OUTCOME_CLIENT_ERROR if status < 500 else OUTCOME_SERVER_ERROR
-        record.finish(metrics)
+        record.fail(status, metrics)
         _raise_engine_error(status, error)
 
     if not getattr(body, "stream", False):
@@ -124,10 +159,14 @@ async def forward(
         return Response(json.dumps(payload), media_type="application/json", headers=headers)
 
     return StreamingResponse(
-        _stream(first, generator, record, metrics, client_wants_usage),
+        _stream(first, generator, record, metrics, client_wants_usage, deadline, timeout_s),
         media_type="text/event-stream",
         headers=headers,
     )
+
+
+def _error_event(status: int, message: str) -> str:
+    return f"data: {json.dumps(error_body(status, message))}\n\n{_SSE_DONE}\n\n"
 
 
 async def _stream(
@@ -136,7 +175,11 @@ async def _stream(
     record: RequestRecord,
     metrics: RouterMetrics,
     client_wants_usage: bool,
+    deadline: float,
+    timeout_s: float,
 ) -> AsyncIterator[str]:
+    """Pass the stream through. It always ends with `[DONE]`; one cut short (timeout, a failed
+    engine) ends with an OpenAI error event first, never silently."""
     record.first_token_at = time.perf_counter()
     done_sent = False
     try:
@@ -152,7 +195,8 @@ async def _stream(
                     done_sent = True
                 yield text
             try:
-                item = await rest.__anext__()
+                async with asyncio.timeout_at(deadline):
+                    item = await rest.__anext__()
             except StopAsyncIteration:
                 break
         if not done_sent:
@@ -160,11 +204,17 @@ async def _stream(
     except (asyncio.CancelledError, GeneratorExit):
         record.outcome = OUTCOME_CANCELLED
         raise
-    except Exception:
-        # Headers are gone; all the client can get is a truncated stream and our log line.
+    except TimeoutError:
         record.outcome = OUTCOME_SERVER_ERROR
-        logger.exception("stream from arm %s failed", record.arm)
-        raise
+        logger.warning(
+            "request %s on arm %s: stream cut at %g s", request_id(), record.arm, timeout_s
+        )
+        yield _error_event(504, f"the request ran longer than {timeout_s:g} s and was stopped")
+    except Exception:
+        # The status line is sent; the client learns of the failure from the error event.
+        record.outcome = OUTCOME_SERVER_ERROR
+        logger.exception("request %s: stream from arm %s failed", request_id(), record.arm)
+        yield _error_event(500, "the model failed mid-stream; the answer is incomplete")
     finally:
         if record.outcome != OUTCOME_OK and hasattr(rest, "cancel"):
             rest.cancel()

@@ -18,6 +18,7 @@ from specserve.config import (
     parse_config,
     read_config_file,
 )
+from specserve.engine.preflight import check_engine_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args.config)
         if args.command == "config" and args.config_command == "validate":
             loaded = load_config(args.file)
+            check_engine_settings(loaded.config, source=str(args.file))
             arms = ", ".join(f"{a.name}={a.weight:g}" for a in loaded.config.arms)
             print(f"{args.file}: valid, revision {loaded.revision}; arms: {arms}")
             return 0
@@ -192,6 +194,7 @@ def _cluster_config(args: argparse.Namespace) -> int:
             # bytes validated are the bytes applied (one read).
             raw = read_config_file(args.file)
             config = parse_config(raw, source=str(args.file))
+            check_engine_settings(config, source=str(args.file))
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -273,20 +276,37 @@ def _config_path(explicit: Path | None) -> Path:
 def _serve(config: Path | None) -> int:
     if config is not None:
         os.environ["SPECSERVE_CONFIG"] = str(config)
-    from specserve.deploy import Platform
+    from specserve.deploy import DRAIN_S, Platform
     from specserve.settings import get_settings
 
     settings = get_settings()
     started = time.monotonic()
     platform = Platform(settings)
-    stop = False
+    state = {"up": False, "stop": False, "stopping": False}
 
     def _on_signal(signum, frame):  # noqa: ARG001
-        nonlocal stop
-        stop = True
+        """Ctrl-C or SIGTERM, at any moment: during start-up it aborts the start at once; once
+        up, the loop below stops. A second one while stopping changes nothing."""
+        if state["stopping"]:
+            print("already stopping ...", flush=True)
+            return
+        state["stop"] = True
+        if not state["up"]:
+            raise KeyboardInterrupt
 
+    def _handle_signals() -> None:
+        # Also where the shell started us with SIGINT ignored; ray.init sets its own SIGTERM
+        # handler, so this runs again after it.
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
+
+    _handle_signals()
     try:
-        platform.start()
+        platform.connect()
+        _handle_signals()
+        platform.deploy(platform.loaded)
+        platform.wait_until_running(timeout_s=900)
+        state["up"] = True
         loaded = platform.loaded
         print(
             f"\nspecserve is up after {time.monotonic() - started:.0f} s\n"
@@ -298,19 +318,21 @@ def _serve(config: Path | None) -> int:
             + "Ctrl-C stops everything.",
             flush=True,
         )
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
         watcher = platform.watcher()
-        while not stop:
+        while not state["stop"]:
             time.sleep(settings.config_poll_s)
             try:
                 watcher.check()
             except Exception:
                 logging.getLogger(__name__).exception("applying the new config failed")
+    except KeyboardInterrupt:
+        print("\ninterrupted during start-up", flush=True)
     finally:
+        state["stopping"] = True
         print("stopping ...", flush=True)
-        platform.stop()
-    return 0
+        platform.stop(drain_s=DRAIN_S if state["up"] else None)
+        print(f"stopped after {time.monotonic() - started:.0f} s", flush=True)
+    return 0 if state["up"] else 130
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ router reads them from the file itself.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.config import LoadedConfig, load_config
+from specserve.engine.preflight import check_engine_settings
 from specserve.models import prepare_model
 from specserve.serve_config import serve_config
 from specserve.settings import Settings
@@ -28,6 +30,8 @@ from specserve.watch import ConfigWatcher
 logger = logging.getLogger(__name__)
 
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
+# How long a stop waits for in-flight requests to finish before Ray goes down.
+DRAIN_S = 10.0
 
 
 class DeployError(RuntimeError):
@@ -43,7 +47,16 @@ class Platform:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self, *, timeout_s: float = 900) -> None:
+        self.connect()
+        self.deploy(self.loaded)
+        self.wait_until_running(timeout_s=timeout_s)
+
+    def connect(self) -> None:
+        """Check the config, prepare the model, start (or join) Ray and Ray Serve."""
         s = self.settings
+        check_engine_settings(
+            self.loaded.config, source=str(self.config_path), engines_run_here=True
+        )
         prepare_model(self.loaded.config.model.source)
         if not ray.is_initialized():
             if s.ray_address:
@@ -57,11 +70,19 @@ class Platform:
                     _metrics_export_port=s.metrics_port,
                 )
         serve.start(http_options={"host": s.host, "port": s.port})
-        self.deploy(self.loaded)
-        self.wait_until_running(timeout_s=timeout_s)
 
-    def stop(self) -> None:
-        serve.shutdown()
+    def stop(self, *, drain_s: float | None = DRAIN_S) -> None:
+        """Stop everything: Ray Serve first lets the replicas finish in-flight requests (at most
+        `drain_s`; None skips it, e.g. when start-up was interrupted and nothing serves yet),
+        then Ray stops, which on a local cluster ends every process it started."""
+        if drain_s is not None and ray.is_initialized():
+            # serve.shutdown() has no timeout of its own; a replica still loading its engine
+            # would hold it for minutes.
+            draining = threading.Thread(target=_shutdown_serve, daemon=True)
+            draining.start()
+            draining.join(drain_s)
+            if draining.is_alive():
+                logger.warning("Ray Serve did not drain within %g s; stopping Ray", drain_s)
         ray.shutdown()
 
     # -- config ----------------------------------------------------------------------------
@@ -90,7 +111,7 @@ class Platform:
         self.loaded = loaded
 
     def watcher(self) -> ConfigWatcher:
-        return ConfigWatcher(self.config_path, self.loaded, self.deploy)
+        return ConfigWatcher(self.config_path, self.loaded, self.deploy, engines_run_here=True)
 
     def wait_until_running(self, *, timeout_s: float) -> None:
         """Block until every application is RUNNING and the router has seen them run (its
@@ -116,6 +137,13 @@ class Platform:
             return httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5).is_success
         except httpx.HTTPError:
             return False
+
+
+def _shutdown_serve() -> None:
+    try:
+        serve.shutdown()
+    except Exception:
+        logger.exception("Ray Serve shutdown failed; stopping Ray anyway")
 
 
 def _status(app) -> str:

@@ -2,7 +2,8 @@
 
 Kubernetes swaps a mounted ConfigMap by re-pointing a `..data` symlink, so change detection reads
 the file's bytes through the path (never inotify on the inode) and compares revisions. An invalid
-new file is logged and counted once, and the last good config keeps serving.
+new file is logged and counted once, and the last good config keeps serving. Valid means the
+schema and the engine settings vLLM would accept (engine/preflight.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.config import ConfigError, LoadedConfig, parse_config, revision_of
+from specserve.engine.preflight import check_engine_settings
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 
 logger = logging.getLogger(__name__)
@@ -25,8 +27,11 @@ class ConfigWatcher:
         current: LoadedConfig,
         on_change: Callable[[LoadedConfig], object],
         on_result: Callable[[str], object] | None = None,
+        *,
+        engines_run_here: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.engines_run_here = engines_run_here
         self.current = current
         self.on_change = on_change
         # Told each new revision's result (metrics.RELOAD_APPLIED or RELOAD_INVALID).
@@ -48,6 +53,9 @@ class ConfigWatcher:
         self.last_seen = revision
         try:
             config = parse_config(raw, source=str(self.path))
+            check_engine_settings(
+                config, source=str(self.path), engines_run_here=self.engines_run_here
+            )
         except ConfigError as exc:
             self.last_error = str(exc)
             logger.error(

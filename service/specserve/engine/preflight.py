@@ -1,0 +1,98 @@
+"""Check a config's engine settings before anything is redeployed.
+
+An arm's `engine` block is handed to vLLM as engine arguments. A key vLLM does not know, a value
+of the wrong type or outside its choices would otherwise surface only when Ray Serve starts the
+arm's engine, minutes later and after the old engine is gone. vLLM's own command-line parser
+checks each setting exactly as `vllm serve` would, without loading a model, so the same check
+runs on a laptop for a GPU config. Where the engines run on this machine (`specserve serve`),
+drafter directories must exist, too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from argparse import Action, ArgumentParser, BooleanOptionalAction
+from pathlib import Path
+from typing import Any
+
+from specserve.config import ConfigError, RouterConfig
+from specserve.models import PACKAGE_SCHEME
+
+
+class _RaisingParser:
+    """vLLM's engine-argument parser, raising instead of exiting on a bad argument."""
+
+    def __init__(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        class Parser(FlexibleArgumentParser):
+            def error(self, message: str):  # type: ignore[override]
+                raise ValueError(message)
+
+        self.parser: ArgumentParser = AsyncEngineArgs.add_cli_args(Parser())
+        self.actions: dict[str, Action] = {
+            a.dest: a for a in self.parser._actions if a.option_strings
+        }
+
+    def problems(self, engine: dict[str, Any]) -> list[str]:
+        found = []
+        for key, value in engine.items():
+            action = self.actions.get(key)
+            if action is None:
+                near = difflib.get_close_matches(key, self.actions, n=1)
+                hint = f" (did you mean `{near[0]}`?)" if near else ""
+                found.append(f"`{key}` is not a vLLM engine argument{hint}")
+                continue
+            try:
+                self.parser.parse_args(["--model", "m", *_argv(action, value)])
+            except ValueError as exc:
+                found.append(f"`{key}`: {exc}")
+        return found
+
+
+@functools.cache
+def _parser() -> _RaisingParser:
+    return _RaisingParser()
+
+
+def _argv(action: Action, value: Any) -> list[str]:
+    """`key: value` as vLLM's command line spells it."""
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if isinstance(value, bool) and isinstance(action, BooleanOptionalAction):
+        return [option] if value else ["--no-" + option.removeprefix("--")]
+    if isinstance(value, bool) and action.nargs == 0:  # store_true
+        return [option] if value else []
+    if isinstance(value, list) and action.nargs in ("*", "+"):
+        return [option, *(str(item) for item in value)]
+    if isinstance(value, dict | list):
+        return [option, json.dumps(value)]
+    return [option, str(value)]
+
+
+def engine_problems(config: RouterConfig, *, engines_run_here: bool = False) -> list[str]:
+    """What vLLM would reject in each arm's `engine` settings (and, with `engines_run_here`,
+    drafter directories that do not exist on this machine)."""
+    problems = []
+    for arm in config.arms:
+        for problem in _parser().problems(arm.engine):
+            problems.append(f"arm {arm.name!r}: engine: {problem}")
+        model = getattr(arm.speculative, "model", None)
+        if engines_run_here and model and _names_a_directory(model) and not Path(model).is_dir():
+            problems.append(f"arm {arm.name!r}: drafter directory {model} does not exist")
+    return problems
+
+
+def check_engine_settings(
+    config: RouterConfig, *, source: str, engines_run_here: bool = False
+) -> None:
+    problems = engine_problems(config, engines_run_here=engines_run_here)
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+
+
+def _names_a_directory(model: str) -> bool:
+    # A hub id (`org/name`) is resolved by vLLM; paths start with `/`, `.` or `~`.
+    return not model.startswith(PACKAGE_SCHEME) and model.startswith(("/", ".", "~"))

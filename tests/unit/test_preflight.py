@@ -1,0 +1,88 @@
+"""Engine settings are checked with vLLM's own argument parser before anything is deployed."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specserve.config import ConfigError, RouterConfig, load_config
+from specserve.engine.preflight import check_engine_settings, engine_problems
+from specserve.metrics import RELOAD_INVALID
+from specserve.watch import ConfigWatcher
+
+CHART = Path(__file__).parents[2] / "helm" / "specserve"
+
+
+def config_with(engine: dict, speculative: dict | None = None) -> RouterConfig:
+    arm = {"name": "a", "weight": 1, "engine": engine}
+    if speculative:
+        arm["speculative"] = speculative
+    return RouterConfig.model_validate({"model": {"name": "m", "source": "s"}, "arms": [arm]})
+
+
+def test_settings_vllm_accepts_pass():
+    engine = {
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 16,
+        "kv_cache_dtype": "fp8",
+        "tensor_parallel_size": 4,
+        "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    }
+    assert engine_problems(config_with(engine)) == []
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        (
+            {"max_num_seq": 16},
+            "`max_num_seq` is not a vLLM engine argument (did you mean `max_num_seqs`?)",
+        ),
+        ({"dtype": "bf17"}, "`dtype`: argument --dtype: invalid choice: 'bf17'"),
+        ({"max_num_seqs": "many"}, "`max_num_seqs`: argument --max-num-seqs: invalid int value"),
+        ({"kv_cache_dtype": "int3"}, "`kv_cache_dtype`: argument --kv-cache-dtype: invalid choice"),
+    ],
+)
+def test_settings_vllm_rejects_are_named(engine, expected):
+    problems = engine_problems(config_with(engine))
+    assert len(problems) == 1 and problems[0].startswith("arm 'a': engine: " + expected), problems
+    with pytest.raises(ConfigError, match="^f.yaml: arm 'a'"):
+        check_engine_settings(config_with(engine), source="f.yaml")
+
+
+def test_a_missing_drafter_directory_matters_only_where_the_engines_run(tmp_path):
+    missing = {"method": "eagle3", "model": str(tmp_path / "nope"), "num_speculative_tokens": 3}
+    config = config_with({}, missing)
+    assert engine_problems(config) == []  # e.g. a path inside the cluster's pods
+    assert engine_problems(config, engines_run_here=True) == [
+        f"arm 'a': drafter directory {tmp_path / 'nope'} does not exist"
+    ]
+    (tmp_path / "nope").mkdir()
+    hub_and_package = [
+        {"method": "eagle3", "model": "org/drafter", "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": "package://eagle3", "num_speculative_tokens": 3},
+    ]
+    for spec in [missing, *hub_and_package]:
+        assert engine_problems(config_with({}, spec), engines_run_here=True) == []
+
+
+@pytest.mark.parametrize("values", ["values.yaml", "values-gb200.yaml"])
+def test_the_charts_engine_settings_pass_vllms_parser(values):
+    config = yaml.safe_load((CHART / values).read_text())["config"]
+    assert engine_problems(RouterConfig.model_validate(config)) == []
+
+
+def test_the_watcher_keeps_the_last_good_config_over_a_bad_engine_setting(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("model: {name: m, source: s}\narms:\n  - {name: a, weight: 1}\n")
+    results = []
+    watcher = ConfigWatcher(path, load_config(path), lambda _: None, results.append)
+    path.write_text(
+        "model: {name: m, source: s}\narms:\n  - {name: a, weight: 1, engine: {dtype: bf17}}\n"
+    )
+    assert watcher.check() is None
+    assert results == [RELOAD_INVALID]
+    assert "invalid choice: 'bf17'" in watcher.last_error
+    assert watcher.current.config.arms[0].engine == {}

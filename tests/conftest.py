@@ -54,7 +54,7 @@ arms:
 
 # The ngram arm's bounded queues (the overload tests fill them): per engine replica, and per
 # router replica.
-NGRAM_ONGOING, NGRAM_QUEUED = 4, 4
+NGRAM_ONGOING, NGRAM_QUEUED = 4, 8
 
 
 def render_config(no_spec_weight: float = 1, ngram_weight: float = 1, k: int = 3) -> str:

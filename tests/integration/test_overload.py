@@ -69,7 +69,7 @@ def test_three_times_capacity_gets_429_with_retry_after_and_the_rest_is_served(l
 
 def test_requests_refused_before_an_arm_is_chosen_are_counted(live):
     name = REQUESTS + "_total"
-    before = live.metric(name, arm=NO_ARM)
+    before = live.metric(name, arm=NO_ARM, **{OUTCOME: "client_error"})
     refused = [
         live.http.post(CHAT, content=b"{", headers={"content-type": "application/json"}),
         live.http.post(CHAT, content=b"[" * 5000, headers={"content-type": "application/json"}),

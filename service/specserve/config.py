@@ -165,11 +165,33 @@ class LimitsConfig(_Strict):
     )
 
 
+class GuardrailConfig(_Strict):
+    min_acceptance_length: float | None = Field(
+        None,
+        ge=1,
+        description="Drain a speculative arm whose mean acceptance length over the window falls "
+        "below this (e.g. a drafter that does not match the target); null = off.",
+    )
+    window_s: float = Field(60, gt=0, description="Seconds of traffic the mean is taken over.")
+    min_drafts: int = Field(
+        200, ge=1, description="Verify steps the window needs before the arm is judged."
+    )
+    drain_s: float = Field(
+        300,
+        gt=0,
+        description="How long a drained arm gets no weighted or sticky traffic; then it takes "
+        "traffic again and is judged afresh (the override header reaches it throughout).",
+    )
+
+
 class RouterConfig(_Strict):
     model: ModelConfig = Field(description="The target model every arm serves.")
     arms: list[ArmConfig] = Field(min_length=1, description="The draft configurations compared.")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Stickiness.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    guardrail: GuardrailConfig = Field(
+        default_factory=GuardrailConfig, description="Acceptance-collapse detection per arm."
+    )
 
     @field_validator("arms")
     @classmethod

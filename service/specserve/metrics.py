@@ -80,6 +80,8 @@ SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
 SPEC_ACCEPTED_PER_POSITION = f"{PREFIX}_spec_accepted_tokens_per_position"
 ARM_WEIGHT = f"{PREFIX}_arm_weight"
 ARM_RUNNING = f"{PREFIX}_arm_running"
+ARM_DRAINED = f"{PREFIX}_arm_drained"
+GUARDRAIL_DRAINS = f"{PREFIX}_guardrail_drains"
 CONFIG_INFO = f"{PREFIX}_config_info"
 CONFIG_RELOADS = f"{PREFIX}_config_reloads"
 CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
@@ -94,9 +96,10 @@ COUNTERS = (
     SPEC_ACCEPTED_TOKENS,
     SPEC_ACCEPTED_PER_POSITION,
     CONFIG_RELOADS,
+    GUARDRAIL_DRAINS,
 )
 HISTOGRAMS = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
-GAUGES = (ARM_WEIGHT, ARM_RUNNING, CONFIG_INFO, CONFIG_LAST_RELOAD_SUCCESS)
+GAUGES = (ARM_WEIGHT, ARM_RUNNING, ARM_DRAINED, CONFIG_INFO, CONFIG_LAST_RELOAD_SUCCESS)
 
 
 def exported_names() -> set[str]:
@@ -170,6 +173,16 @@ class RouterMetrics:
         self.arm_running = Gauge(
             ARM_RUNNING, "1 while the arm's engine application is RUNNING, else 0.", arm
         )
+        self.arm_drained = Gauge(
+            ARM_DRAINED,
+            "1 while the acceptance guardrail keeps weighted and sticky traffic off the arm.",
+            arm,
+        )
+        self.guardrail_drains = Counter(
+            GUARDRAIL_DRAINS,
+            "Times the acceptance guardrail drained the arm (mean acceptance below the floor).",
+            arm,
+        )
         self.config_info = Gauge(
             CONFIG_INFO,
             "1 for the revision of the active config (content hash of the file).",
@@ -189,6 +202,7 @@ class RouterMetrics:
         self._revision = ""
         self._weights: dict[str, float] = {}
         self._running: dict[str, bool] = {}
+        self._drained: frozenset[str] = frozenset()
         self._last_reload_ok = True
 
     def _tags(self, arm: str, **more: str) -> dict[str, str]:
@@ -205,6 +219,14 @@ class RouterMetrics:
         self._running = dict(running)
         self.refresh_gauges()
 
+    def set_drained(self, drained: frozenset[str]) -> None:
+        self._drained = drained
+
+    def count_drain(self, arm: str) -> None:
+        self.guardrail_drains.inc(1, self._tags(arm))
+        self.set_drained(self._drained | {arm})
+        self.refresh_gauges()
+
     def set_last_reload(self, *, ok: bool) -> None:
         self._last_reload_ok = ok
         self.refresh_gauges()
@@ -218,6 +240,7 @@ class RouterMetrics:
             self.arm_weight.set(weight, self._tags(arm))
         for arm, is_running in self._running.items():
             self.arm_running.set(1 if is_running else 0, self._tags(arm))
+            self.arm_drained.set(1 if arm in self._drained else 0, self._tags(arm))
 
     def count_reload(self, result: str) -> None:
         self.config_reloads.inc(1, {MODEL: self.model, RESULT: result})

@@ -67,6 +67,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
         "num_draft_tokens": 12,
     }
     metrics.observe_spec_decode("a", stats)
+    metrics.count_drain("a")
 
     def sample(name, **labels):
         return (m.EXPORT_PREFIX + name, frozenset({"model": "m1", **labels}.items()))
@@ -95,6 +96,8 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.REQUESTS + "_total", arm="a", endpoint="chat", outcome="ok") == 1
     assert value(m.ARM_SELECTIONS + "_total", arm="a", selected_by="sticky") == 1
     assert value(m.ROUTING_FALLBACKS + "_total", arm="b") == 1
+    assert value(m.GUARDRAIL_DRAINS + "_total", arm="a") == 1
+    assert value(m.ARM_DRAINED, arm="a") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1

@@ -27,6 +27,7 @@ from specserve import headers
 from specserve.config import LoadedConfig, RouterConfig, load_config
 from specserve.metrics import RouterMetrics
 from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
+from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.proxy import RequestRecord, forward
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
 from specserve.serve_config import arm_app_name, arm_name_of_app
@@ -179,6 +180,7 @@ class Router:
         self.metrics = RouterMetrics(self.loaded.config.model.name)
         self.metrics.set_active_config(self.loaded.revision, self.loaded.config.weights)
         self.metrics.set_last_reload(ok=True)
+        self.guard = AcceptanceGuard(self.loaded.config.guardrail)
         self.handles: dict[str, DeploymentHandle] = {}
         # App status per arm, and the arms a request may be routed to (see _routable).
         self.statuses: dict[str, str] = {}
@@ -202,6 +204,7 @@ class Router:
         self.loaded = loaded
         self.metrics.model = loaded.config.model.name
         self.metrics.set_active_config(loaded.revision, loaded.config.weights)
+        self.guard.reconfigure(loaded.config.guardrail)
         for arm in set(self.handles) - set(loaded.config.weights):
             del self.handles[arm]
 
@@ -226,6 +229,7 @@ class Router:
                 running.add(arm)
         self.statuses, self.running = statuses, frozenset(running)
         self._arm_states_known.set()
+        self.metrics.set_drained(self.guard.drained())
         self.metrics.set_running({arm: arm in running for arm in self.loaded.config.weights})
 
     async def _wait_for_arm_states(self) -> None:
@@ -288,7 +292,7 @@ class Router:
         # Every answer names the config revision that handled it, and the arm once one is chosen;
         # every request is counted once, by outcome, refused ones included.
         response_headers = {headers.CONFIG_REVISION: loaded.revision}
-        record = RequestRecord(endpoint=endpoint)
+        record = RequestRecord(endpoint=endpoint, guard=self.guard)
         if not self._arm_states_known.is_set():
             await self._wait_for_arm_states()
         try:
@@ -323,6 +327,7 @@ class Router:
             selection = choose_arm(
                 config.weights,
                 running=self.running,
+                drained=self.guard.drained(),
                 override=request.headers.get(headers.ARM_OVERRIDE),
                 sticky_key=sticky_key,
             )

@@ -30,6 +30,7 @@ from specserve.metrics import (
     RouterMetrics,
 )
 from specserve.router.errors import OpenAIError, error_body, request_id
+from specserve.router.guardrail import AcceptanceGuard
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class RequestRecord:
     spec_decode: dict[str, Any] | None = None
     outcome: str = OUTCOME_OK
     finished: bool = False
+    # Told the draft stats of each successful request (the acceptance guardrail).
+    guard: AcceptanceGuard | None = None
 
     def fail(self, status: int, metrics: RouterMetrics) -> None:
         """End the request with the outcome its HTTP status means."""
@@ -85,6 +88,12 @@ class RequestRecord:
         )
         if self.spec_decode:
             metrics.observe_spec_decode(self.arm, self.spec_decode)
+            if self.guard is not None and self.guard.observe(
+                self.arm,
+                int(self.spec_decode.get("num_spec_steps") or 0),
+                int(self.spec_decode.get("num_accepted_draft_tokens") or 0),
+            ):
+                metrics.count_drain(self.arm)
 
     def read_usage(self, usage: dict | None, extra_metrics: dict | None) -> None:
         if usage:

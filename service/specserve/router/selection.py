@@ -72,13 +72,14 @@ def choose_arm(
     weights: Mapping[str, float],
     *,
     running: Collection[str] | None = None,
+    drained: Collection[str] = (),
     override: str | None = None,
     sticky_key: str | None = None,
     rng: random.Random | None = None,
 ) -> Selection:
     """Pick the arm for one request. An override may name any configured arm, even weight 0,
     as long as it runs; the weights and sticky keys only ever pick running arms (all arms when
-    `running` is None)."""
+    `running` is None), and not drained ones unless every running arm is drained."""
     is_running = (lambda arm: True) if running is None else (lambda arm: arm in running)
     if override is not None:
         if override not in weights:
@@ -90,6 +91,9 @@ def choose_arm(
     if not any(weight > 0 for weight in live.values()):
         waiting = sorted(arm for arm, weight in weights.items() if weight > 0)
         raise ArmNotRunningError(f"no arm with weight > 0 is running (waiting for {waiting})")
+    undrained = {arm: weight for arm, weight in live.items() if arm not in drained}
+    if any(weight > 0 for weight in undrained.values()):
+        live = undrained  # a drain never leaves the split empty
     selected_by = SELECTED_BY_STICKY if sticky_key else SELECTED_BY_WEIGHT
 
     def pick(among: Mapping[str, float]) -> str:

@@ -67,6 +67,17 @@ def render_config(no_spec_weight: float = 1, ngram_weight: float = 1, k: int = 3
     )
 
 
+def long_stream(max_tokens: int) -> dict:
+    """A streamed chat request that generates exactly `max_tokens` tokens."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

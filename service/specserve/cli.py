@@ -276,7 +276,7 @@ def _config_path(explicit: Path | None) -> Path:
 def _serve(config: Path | None) -> int:
     if config is not None:
         os.environ["SPECSERVE_CONFIG"] = str(config)
-    from specserve.deploy import DRAIN_S, Platform
+    from specserve.deploy import Platform
     from specserve.settings import get_settings
 
     settings = get_settings()
@@ -330,7 +330,7 @@ def _serve(config: Path | None) -> int:
     finally:
         state["stopping"] = True
         print("stopping ...", flush=True)
-        platform.stop(drain_s=DRAIN_S if state["up"] else None)
+        platform.stop(drain=state["up"])
         print(f"stopped after {time.monotonic() - started:.0f} s", flush=True)
     return 0 if state["up"] else 130
 

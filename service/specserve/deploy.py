@@ -10,6 +10,7 @@ router reads them from the file itself.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,21 +18,29 @@ from typing import Any
 
 import httpx
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.config import LoadedConfig, load_config
 from specserve.engine.preflight import check_engine_settings
+from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT
 from specserve.models import prepare_model
-from specserve.serve_config import serve_config
+from specserve.serve_config import (
+    ROUTER_APP_NAME,
+    ROUTER_DRAIN_S,
+    draining_router,
+    serve_config,
+)
 from specserve.settings import Settings
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
 
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
-# How long a stop waits for in-flight requests to finish before Ray goes down.
-DRAIN_S = 10.0
+# How often a local cluster exports recorded metrics (Ray's default is 10 s); a stop reads the
+# routers' in-flight gauge through it.
+METRICS_REPORT_S = 2.0
 
 
 class DeployError(RuntimeError):
@@ -63,7 +72,10 @@ class Platform:
                 ray.init(address=s.ray_address)
             else:
                 # The metrics export port serves every metric recorded on this node: the
-                # router's, vLLM's and Ray Serve's (metrics.py).
+                # router's, vLLM's and Ray Serve's (metrics.py), exported this often.
+                os.environ.setdefault(
+                    "RAY_metrics_report_interval_ms", str(int(METRICS_REPORT_S * 1000))
+                )
                 ray.init(
                     num_cpus=s.ray_num_cpus,
                     include_dashboard=False,
@@ -71,19 +83,57 @@ class Platform:
                 )
         serve.start(http_options={"host": s.host, "port": s.port})
 
-    def stop(self, *, drain_s: float | None = DRAIN_S) -> None:
-        """Stop everything: Ray Serve first lets the replicas finish in-flight requests (at most
-        `drain_s`; None skips it, e.g. when start-up was interrupted and nothing serves yet),
-        then Ray stops, which on a local cluster ends every process it started."""
-        if drain_s is not None and ray.is_initialized():
-            # serve.shutdown() has no timeout of its own; a replica still loading its engine
-            # would hold it for minutes.
-            draining = threading.Thread(target=_shutdown_serve, daemon=True)
+    def stop(self, *, drain: bool = True) -> None:
+        """Stop everything. With `drain`, every router replica first refuses new requests (503)
+        and finishes those in flight, streams included, for up to ROUTER_DRAIN_S while the arms
+        keep serving them (skipped when start-up was interrupted: nothing serves yet). Then Ray
+        stops, which on a local cluster ends every process it started; on a cluster joined by
+        address, specserve's applications are deleted instead."""
+        if drain and ray.is_initialized():
+            # Ray Serve's calls have no timeout of their own: a bounded wait in a thread, so a
+            # stop never hangs on them.
+            draining = threading.Thread(target=self._drain_router, daemon=True)
             draining.start()
-            draining.join(drain_s)
+            draining.join(ROUTER_DRAIN_S + 5)
             if draining.is_alive():
-                logger.warning("Ray Serve did not drain within %g s; stopping Ray", drain_s)
+                logger.warning("the router did not drain in time; stopping anyway")
+        if self.settings.ray_address and ray.is_initialized():
+            serve.shutdown()
         ray.shutdown()
+
+    def _drain_router(self) -> None:
+        document = self.serve_config(self.loaded)
+        document["applications"] = [
+            draining_router(app) if app["name"] == ROUTER_APP_NAME else app
+            for app in document["applications"]
+        ]
+        started = time.monotonic()
+        try:
+            self._submit(document)
+            # Once every replica drains, the in-flight gauge (one export behind) falls to 0.
+            time.sleep(METRICS_REPORT_S + 0.5)
+            while time.monotonic() - started < ROUTER_DRAIN_S:
+                if self._router_in_flight() == 0:
+                    break
+                time.sleep(0.25)
+            logger.info("router drained in %.1f s", time.monotonic() - started)
+        except Exception:
+            logger.exception("draining the router failed; stopping anyway")
+
+    def _router_in_flight(self) -> float | None:
+        """Requests in flight over every router replica on this node, None if unknown."""
+        url = f"http://127.0.0.1:{self.settings.metrics_port}/metrics"
+        name = EXPORT_PREFIX + REQUESTS_IN_FLIGHT
+        try:
+            text = httpx.get(url, timeout=2).text
+        except httpx.HTTPError:
+            return None
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        )
 
     # -- config ----------------------------------------------------------------------------
 
@@ -102,13 +152,15 @@ class Platform:
     def deploy(self, loaded: LoadedConfig) -> None:
         """Hand Ray Serve the Serve config of `loaded`; it redeploys what changed."""
         prepare_model(loaded.config.model.source)
-        document = ServeDeploySchema.model_validate(self.serve_config(loaded))
+        self._submit(self.serve_config(loaded))
+        self.loaded = loaded
+
+    def _submit(self, document: dict[str, Any]) -> None:
         # What `serve deploy` and KubeRay submit through the dashboard's REST API, without
         # needing the dashboard: the controller diffs the applications itself.
         client = serve.context._get_global_client()
         assert client is not None  # raised if no controller runs
-        client.deploy_apps(document)
-        self.loaded = loaded
+        client.deploy_apps(ServeDeploySchema.model_validate(document))
 
     def watcher(self) -> ConfigWatcher:
         return ConfigWatcher(self.config_path, self.loaded, self.deploy, engines_run_here=True)
@@ -137,13 +189,6 @@ class Platform:
             return httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5).is_success
         except httpx.HTTPError:
             return False
-
-
-def _shutdown_serve() -> None:
-    try:
-        serve.shutdown()
-    except Exception:
-        logger.exception("Ray Serve shutdown failed; stopping Ray anyway")
 
 
 def _status(app) -> str:

@@ -82,6 +82,8 @@ ARM_WEIGHT = f"{PREFIX}_arm_weight"
 ARM_RUNNING = f"{PREFIX}_arm_running"
 ARM_DRAINED = f"{PREFIX}_arm_drained"
 GUARDRAIL_DRAINS = f"{PREFIX}_guardrail_drains"
+ENGINE_RETRIES = f"{PREFIX}_engine_retries"
+REQUESTS_IN_FLIGHT = f"{PREFIX}_requests_in_flight"
 CONFIG_INFO = f"{PREFIX}_config_info"
 CONFIG_RELOADS = f"{PREFIX}_config_reloads"
 CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
@@ -97,9 +99,17 @@ COUNTERS = (
     SPEC_ACCEPTED_PER_POSITION,
     CONFIG_RELOADS,
     GUARDRAIL_DRAINS,
+    ENGINE_RETRIES,
 )
 HISTOGRAMS = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
-GAUGES = (ARM_WEIGHT, ARM_RUNNING, ARM_DRAINED, CONFIG_INFO, CONFIG_LAST_RELOAD_SUCCESS)
+GAUGES = (
+    ARM_WEIGHT,
+    ARM_RUNNING,
+    ARM_DRAINED,
+    REQUESTS_IN_FLIGHT,
+    CONFIG_INFO,
+    CONFIG_LAST_RELOAD_SUCCESS,
+)
 
 
 def exported_names() -> set[str]:
@@ -183,6 +193,17 @@ class RouterMetrics:
             "Times the acceptance guardrail drained the arm (mean acceptance below the floor).",
             arm,
         )
+        self.engine_retries = Counter(
+            ENGINE_RETRIES,
+            "Requests replayed once because the arm's engine replica failed before sending "
+            "anything.",
+            arm,
+        )
+        self.requests_in_flight = Gauge(
+            REQUESTS_IN_FLIGHT,
+            "Requests this router replica has started and not finished, streams included.",
+            (MODEL,),
+        )
         self.config_info = Gauge(
             CONFIG_INFO,
             "1 for the revision of the active config (content hash of the file).",
@@ -203,6 +224,7 @@ class RouterMetrics:
         self._weights: dict[str, float] = {}
         self._running: dict[str, bool] = {}
         self._drained: frozenset[str] = frozenset()
+        self._in_flight = 0
         self._last_reload_ok = True
 
     def _tags(self, arm: str, **more: str) -> dict[str, str]:
@@ -227,6 +249,12 @@ class RouterMetrics:
         self.set_drained(self._drained | {arm})
         self.refresh_gauges()
 
+    def set_in_flight(self, count: int) -> None:
+        self._in_flight = count
+
+    def count_retry(self, arm: str) -> None:
+        self.engine_retries.inc(1, self._tags(arm))
+
     def set_last_reload(self, *, ok: bool) -> None:
         self._last_reload_ok = ok
         self.refresh_gauges()
@@ -236,6 +264,7 @@ class RouterMetrics:
         if self._revision:
             self.config_info.set(1, {MODEL: self.model, REVISION: self._revision})
         self.config_last_reload_success.set(1 if self._last_reload_ok else 0, {MODEL: self.model})
+        self.requests_in_flight.set(self._in_flight, {MODEL: self.model})
         for arm, weight in self._weights.items():
             self.arm_weight.set(weight, self._tags(arm))
         for arm, is_running in self._running.items():

@@ -16,6 +16,24 @@ from typing import Any
 from specserve.config import ArmConfig, RouterConfig
 
 ROUTER_APP_NAME = "specserve"
+# A router replica being stopped (scale-down, upgrade, `specserve serve` stopping) gets no new
+# requests and this long to finish the ones in flight, streams included.
+ROUTER_DRAIN_S = 10.0
+ROUTER_DEPLOYMENT_NAME = "router"
+# The router's Ray Serve `user_config` key that makes every replica refuse new requests (503)
+# and return from `reconfigure` once its in-flight ones are done: Ray Serve applies a user_config
+# change to all replicas without restarting them.
+DRAINING = "draining"
+
+
+def draining_router(app: dict[str, Any]) -> dict[str, Any]:
+    """The router application of a Serve config, switched to draining."""
+    return {
+        **app,
+        "deployments": [{"name": ROUTER_DEPLOYMENT_NAME, "user_config": {DRAINING: True}}],
+    }
+
+
 ROUTER_BUILDER = "specserve.router.ingress:build_app"
 ARM_APP_PREFIX = "arm-"
 ARM_BUILDER = "specserve.engine.arm:build_app"

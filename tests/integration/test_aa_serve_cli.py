@@ -1,22 +1,28 @@
 """`specserve serve` (what `make serve` runs): prints where everything is, answers, and Ctrl-C
-or SIGTERM at any moment, start-up included, stops everything it started within 15 s. Runs
+or SIGTERM at any moment, start-up included, stops everything it started: within 15 s, or with
+requests in flight, after letting them finish (up to 10 s) and refusing new ones with 503. Runs
 before the shared platform starts (file order)."""
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import MODEL, free_port, render_config
+from specserve.serve_config import ROUTER_DRAIN_S
+from tests.conftest import MODEL, free_port, long_stream, render_config
 
 pytestmark = pytest.mark.slow
 
 STOP_WITHIN_S = 15
+# With requests in flight: the router's drain, then the same 10 s to stop (as the issue's
+# "timeout + 10 s").
+DRAIN_STOP_WITHIN_S = ROUTER_DRAIN_S + 10
 # Ray Serve's controller logs this once an engine replica is being started.
 ENGINES_LOADING = "Adding 1 replica to Deployment(name='arm-"
 
@@ -57,8 +63,8 @@ def session_processes(sid: int) -> list[str]:
     return found
 
 
-def stop_and_check(proc, sig: int, expected_rc: int) -> float:
-    """Send `sig`; the process and every process it started are gone within STOP_WITHIN_S."""
+def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITHIN_S) -> float:
+    """Send `sig`; the process and every process it started are gone within `within_s`."""
     sent = time.monotonic()
     proc.send_signal(sig)
     try:
@@ -72,11 +78,22 @@ def stop_and_check(proc, sig: int, expected_rc: int) -> float:
         time.sleep(0.2)
     assert left == [], f"still running after the stop: {left}"
     assert proc.returncode == expected_rc
-    assert took < STOP_WITHIN_S, f"took {took:.1f} s to stop"
+    assert took < within_s, f"took {took:.1f} s to stop"
     return took
 
 
-def test_serve_prints_banner_answers_and_stops_on_ctrl_c(tmp_path):
+def stream_to_the_end(port: int, started: threading.Event, results: list) -> None:
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with httpx.stream("POST", url, json=long_stream(100), timeout=120) as response:
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                started.set()
+    results.append(events)
+
+
+def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_path):
     started = time.monotonic()
     proc, config, port, metrics_port = start_serve(tmp_path)
     try:
@@ -94,9 +111,44 @@ def test_serve_prints_banner_answers_and_stops_on_ctrl_c(tmp_path):
         )
         assert answer.status_code == 200
         print(f"up after {up_after:.0f} s, first answer after {time.monotonic() - started:.0f} s")
+        # Streams in flight when Ctrl-C comes.
+        results: list[list[str]] = []
+        flowing = [threading.Event() for _ in range(3)]
+        streams = [
+            threading.Thread(target=stream_to_the_end, args=(port, event, results))
+            for event in flowing
+        ]
+        for stream in streams:
+            stream.start()
+        for event in flowing:
+            assert event.wait(60)
     finally:
-        took = stop_and_check(proc, signal.SIGINT, expected_rc=0)
-    print(f"stopped {took:.1f} s after Ctrl-C")
+        stopping = threading.Thread(
+            target=lambda: stops.append(
+                stop_and_check(proc, signal.SIGINT, expected_rc=0, within_s=DRAIN_STOP_WITHIN_S)
+            )
+        )
+        stops: list[float] = []
+        stopping.start()
+    deadline = time.monotonic() + 5
+    while not httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).json().get("draining"):
+        assert time.monotonic() < deadline, "the router did not start draining"
+        time.sleep(0.1)
+    refused = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        timeout=30,
+    )
+    for stream in streams:
+        stream.join(60)
+    stopping.join(60)
+    assert stops, "the stop check failed (see above)"
+    # In flight: finished in full. New: refused with 503 while draining.
+    assert len(results) == 3
+    for events in results:
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+    print(f"stopped {stops[0]:.1f} s after Ctrl-C, 3 in-flight streams finished in full")
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 

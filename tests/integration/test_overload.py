@@ -12,7 +12,7 @@ import pytest
 
 from specserve import headers
 from specserve.metrics import NO_ARM, OUTCOME, OUTCOME_REJECTED, REQUESTS
-from tests.conftest import MODEL, NGRAM_ONGOING, NGRAM_QUEUED, ROUTER_REPLICAS
+from tests.conftest import MODEL, NGRAM_ONGOING, NGRAM_QUEUED, ROUTER_REPLICAS, long_stream
 
 pytestmark = pytest.mark.slow
 
@@ -96,13 +96,7 @@ def test_streams_cancelled_mid_generation_stop_their_engine_requests(live):
     it (vLLM's generated-token count stops short of what the streams asked for), and the arm
     serves the next request at once."""
     streams, max_tokens = 20, 400
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_stream(max_tokens)
     generated_before = live.metric(VLLM_GENERATED)
     for _ in range(streams):
         with live.http.stream(
@@ -135,13 +129,7 @@ def test_streams_cancelled_mid_generation_stop_their_engine_requests(live):
 def test_a_stream_past_the_request_timeout_ends_with_an_error_event(live, restore_config):
     text = live.config_path.read_text().replace("request_timeout_s: 300", "request_timeout_s: 2")
     live.write_config(text)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-        "max_tokens": 500,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = long_stream(500)
     started = time.monotonic()
     with live.http.stream(
         "POST", CHAT, json=body, headers={headers.ARM_OVERRIDE: "no-spec"}

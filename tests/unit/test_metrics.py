@@ -68,6 +68,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     }
     metrics.observe_spec_decode("a", stats)
     metrics.count_drain("a")
+    metrics.count_retry("a")
 
     def sample(name, **labels):
         return (m.EXPORT_PREFIX + name, frozenset({"model": "m1", **labels}.items()))
@@ -98,6 +99,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.ROUTING_FALLBACKS + "_total", arm="b") == 1
     assert value(m.GUARDRAIL_DRAINS + "_total", arm="a") == 1
     assert value(m.ARM_DRAINED, arm="a") == 1
+    assert value(m.ENGINE_RETRIES + "_total", arm="a") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1

@@ -28,14 +28,19 @@ from specserve.config import LoadedConfig, RouterConfig, load_config
 from specserve.metrics import RouterMetrics
 from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
 from specserve.router.guardrail import AcceptanceGuard
-from specserve.router.proxy import RequestRecord, forward
+from specserve.router.proxy import InFlight, RequestRecord, forward
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
-from specserve.serve_config import arm_app_name, arm_name_of_app
+from specserve.serve_config import (
+    DRAINING,
+    ROUTER_DEPLOYMENT_NAME,
+    ROUTER_DRAIN_S,
+    arm_app_name,
+    arm_name_of_app,
+)
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
 
-ROUTER_DEPLOYMENT_NAME = "router"
 CHAT, COMPLETIONS = "chat", "completions"
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,
@@ -44,6 +49,7 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
 # How often the router asks Ray Serve which arms run, and how long a new replica's first request
 # waits for the first answer.
 ARM_STATUS_POLL_S = 1.0
+
 ARM_STATES_WAIT_S = 10.0
 RUNNING = "RUNNING"
 # Deeper JSON is refused before validation: no OpenAI request nests near this (a tool schema a
@@ -172,7 +178,11 @@ def _routable(app_status: Any) -> bool:
 
 # `serve.ingress` pickles the app when the class is defined, so every helper it uses must
 # already exist: the deployment class comes last.
-@serve.deployment(name=ROUTER_DEPLOYMENT_NAME, max_ongoing_requests=1000)
+@serve.deployment(
+    name=ROUTER_DEPLOYMENT_NAME,
+    max_ongoing_requests=1000,
+    graceful_shutdown_timeout_s=ROUTER_DRAIN_S,
+)
 @serve.ingress(app)
 class Router:
     def __init__(self, config_path: str, config_poll_s: float) -> None:
@@ -181,6 +191,8 @@ class Router:
         self.metrics.set_active_config(self.loaded.revision, self.loaded.config.weights)
         self.metrics.set_last_reload(ok=True)
         self.guard = AcceptanceGuard(self.loaded.config.guardrail)
+        self.in_flight = InFlight()
+        self.draining = False
         self.handles: dict[str, DeploymentHandle] = {}
         # App status per arm, and the arms a request may be routed to (see _routable).
         self.statuses: dict[str, str] = {}
@@ -198,6 +210,13 @@ class Router:
         logger.info("router serving config revision %s", self.loaded.revision)
 
     # -- config and arm states ------------------------------------------------------------
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Ray Serve's user_config: `draining` refuses new requests with 503 while the ones in
+        flight finish; the stopping platform watches `specserve_requests_in_flight` reach 0."""
+        self.draining = bool(user_config.get(DRAINING))
+        if self.draining:
+            logger.info("draining: %d requests in flight", self.in_flight.count)
 
     def _apply(self, loaded: LoadedConfig) -> None:
         """Swap in a new config; a reference swap, so in-flight requests are untouched."""
@@ -230,6 +249,7 @@ class Router:
         self.statuses, self.running = statuses, frozenset(running)
         self._arm_states_known.set()
         self.metrics.set_drained(self.guard.drained())
+        self.metrics.set_in_flight(self.in_flight.count)
         self.metrics.set_running({arm: arm in running for arm in self.loaded.config.weights})
 
     async def _wait_for_arm_states(self) -> None:
@@ -262,8 +282,13 @@ class Router:
             for arm in self.loaded.config.arms
             if arm.weight > 0 and statuses.get(arm.name) != RUNNING
         }
-        body = {"ready": not waiting, "revision": self.loaded.revision, "waiting": waiting}
-        return JSONResponse(body, status_code=503 if waiting else 200)
+        body = {
+            "ready": not waiting and not self.draining,
+            "revision": self.loaded.revision,
+            "waiting": waiting,
+            "draining": self.draining,
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -292,10 +317,17 @@ class Router:
         # Every answer names the config revision that handled it, and the arm once one is chosen;
         # every request is counted once, by outcome, refused ones included.
         response_headers = {headers.CONFIG_REVISION: loaded.revision}
-        record = RequestRecord(endpoint=endpoint, guard=self.guard)
+        record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
         if not self._arm_states_known.is_set():
             await self._wait_for_arm_states()
         try:
+            if self.draining:
+                raise OpenAIError(
+                    503,
+                    "the service is shutting down; retry shortly",
+                    code="shutting_down",
+                    headers={"retry-after": "1"},
+                )
             data = await _read_json(request, config.limits.max_body_bytes)
             record.arm = self._pick_arm(request, data, config)
             response_headers[headers.ARM] = record.arm

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -45,6 +46,19 @@ def outcome_of_status(status: int) -> str:
     return OUTCOME_CLIENT_ERROR if status < 500 else OUTCOME_SERVER_ERROR
 
 
+class InFlight:
+    """Requests a router replica has started and not yet finished, streams included."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def start(self) -> None:
+        self.count += 1
+
+    def end(self) -> None:
+        self.count -= 1
+
+
 @dataclass
 class RequestRecord:
     """What one request did; turned into metrics once, when it ends. The arm stays `NO_ARM`
@@ -60,6 +74,11 @@ class RequestRecord:
     finished: bool = False
     # Told the draft stats of each successful request (the acceptance guardrail).
     guard: AcceptanceGuard | None = None
+    in_flight: InFlight | None = None
+
+    def __post_init__(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.start()
 
     def fail(self, status: int, metrics: RouterMetrics) -> None:
         """End the request with the outcome its HTTP status means."""
@@ -70,6 +89,8 @@ class RequestRecord:
         if self.finished:
             return
         self.finished = True
+        if self.in_flight is not None:
+            self.in_flight.end()
         now = time.perf_counter()
         metrics.count_request(self.arm, self.endpoint, self.outcome)
         if self.outcome != OUTCOME_OK:
@@ -141,11 +162,32 @@ async def forward(
     generator = getattr(handle, method).remote(body, None)
     try:
         async with asyncio.timeout_at(deadline):
-            first = await generator.__anext__()
+            try:
+                first = await generator.__anext__()
+            except RayActorError as exc:
+                # The replica died (or became unreachable) before sending anything, so nothing
+                # reached the client: replay once; Ray Serve routes it to a live replica.
+                logger.warning(
+                    "request %s: arm %s replica failed before the first byte (%s); retrying once",
+                    request_id(),
+                    record.arm,
+                    type(exc).__name__,
+                )
+                metrics.count_retry(record.arm)
+                generator = getattr(handle, method).remote(body, None)
+                first = await generator.__anext__()
     except TimeoutError:
         generator.cancel()
         record.fail(504, metrics)
         raise OpenAIError(504, f"no response from the model within {timeout_s:g} s") from None
+    except RayActorError:
+        record.fail(500, metrics)
+        raise OpenAIError(
+            503,
+            f"arm {record.arm!r} failed twice for this request; retry later",
+            code="engine_unavailable",
+            headers={"retry-after": "1"},
+        ) from None
     except BackPressureError as exc:
         overloaded = _overloaded(exc, record.arm)
         record.fail(overloaded.status, metrics)

@@ -43,6 +43,7 @@ def test_arm_that_is_not_running_gets_no_weighted_or_sticky_traffic(live, restor
         "ready": False,
         "revision": revision,
         "waiting": {"ghost": "NOT_DEPLOYED"},
+        "draining": False,
     }
 
     fallbacks_before = live.metric("specserve_routing_fallbacks_total", arm="ghost")

@@ -8,3 +8,5 @@ CONFIG_REVISION = "x-specserve-config-revision"
 # Request and response: correlates a request with its log lines (Ray Serve's proxy sets it on
 # responses, reusing the client's value when there is one).
 REQUEST_ID = "x-request-id"
+# Response: seconds to wait before retrying a 429/503 (overloaded arm, failed engine, draining).
+RETRY_AFTER = "retry-after"

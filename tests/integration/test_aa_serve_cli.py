@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from specserve import headers
 from specserve.serve_config import ROUTER_DRAIN_S
 from tests.conftest import MODEL, free_port, long_stream, render_config
 
@@ -147,7 +148,7 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
     assert len(results) == 3
     for events in results:
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+    assert refused.status_code == 503 and refused.headers[headers.RETRY_AFTER] == "1", refused.text
     print(f"stopped {stops[0]:.1f} s after Ctrl-C, 3 in-flight streams finished in full")
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

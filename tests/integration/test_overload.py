@@ -47,7 +47,7 @@ def test_three_times_capacity_gets_429_with_retry_after_and_the_rest_is_served(l
     for response, _ in by_status[429]:
         error = response.json()["error"]
         assert error["code"] == "arm_overloaded" and "ngram" in error["message"]
-        assert int(response.headers["retry-after"]) >= 1
+        assert int(response.headers[headers.RETRY_AFTER]) >= 1
         assert response.headers[headers.ARM] == "ngram"
         assert headers.CONFIG_REVISION in response.headers
     for response, _ in by_status[200]:

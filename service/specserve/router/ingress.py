@@ -326,7 +326,7 @@ class Router:
                     503,
                     "the service is shutting down; retry shortly",
                     code="shutting_down",
-                    headers={"retry-after": "1"},
+                    headers={headers.RETRY_AFTER: "1"},
                 )
             data = await _read_json(request, config.limits.max_body_bytes)
             record.arm = self._pick_arm(request, data, config)

@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from specserve.headers import RETRY_AFTER
 from specserve.metrics import (
     NO_ARM,
     OUTCOME_CANCELLED,
@@ -141,7 +142,7 @@ def _overloaded(exc: BackPressureError, arm: str) -> OpenAIError:
         exc.status_code if exc.status_code in REJECTED_STATUSES else 503,
         f"arm {arm!r} is at capacity (its request queue is full); retry after {retry_after_s} s",
         code="arm_overloaded",
-        headers={"retry-after": str(retry_after_s)},
+        headers={RETRY_AFTER: str(retry_after_s)},
     )
 
 
@@ -186,7 +187,7 @@ async def forward(
             503,
             f"arm {record.arm!r} failed twice for this request; retry later",
             code="engine_unavailable",
-            headers={"retry-after": "1"},
+            headers={RETRY_AFTER: "1"},
         ) from None
     except BackPressureError as exc:
         overloaded = _overloaded(exc, record.arm)

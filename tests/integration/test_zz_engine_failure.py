@@ -75,11 +75,20 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
     text = live.config_path.read_text()
     two_replicas = text.replace("  - name: no-spec\n", "  - name: no-spec\n    replicas: 2\n", 1)
     assert two_replicas != text
-    live.write_config(two_replicas)
-    live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does on change
-    wait_for_replicas(APP, 2)
-    retries_before = live.metric(ENGINE_RETRIES + "_total", arm="no-spec")
+    try:
+        live.write_config(two_replicas)
+        live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
+        wait_for_replicas(APP, 2)
+        kill_one_replica_under_load(live)
+    finally:
+        # Back to one replica, even after a failure, for anything that runs after.
+        live.write_config(text)
+        live.platform.deploy(load_config(live.config_path))
+        wait_for_replicas(APP, 1)
 
+
+def kill_one_replica_under_load(live) -> None:
+    retries_before = live.metric(ENGINE_RETRIES + "_total", arm="no-spec")
     with (
         httpx.Client(base_url=live.base_url, timeout=120) as client,
         cf.ThreadPoolExecutor(6) as pool,
@@ -94,7 +103,12 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
 
     failed = [o for o in outcomes if o not in ("ok", "cut")]
     cut = outcomes.count("cut")
-    retries = live.metric(ENGINE_RETRIES + "_total", arm="no-spec") - retries_before
+    # The router's counters reach the metrics port in batches: wait for the replays to show.
+    retries = (
+        live.metric(ENGINE_RETRIES + "_total", arm="no-spec")
+        if cut
+        else live.wait_for_metric(ENGINE_RETRIES + "_total", retries_before + 1, arm="no-spec")
+    ) - retries_before
     print(
         f"{REQUESTS} requests, replica {victim} killed after 12: {outcomes.count('ok')} ok, "
         f"{cut} streams cut with an error event, {len(failed)} failed {failed}, "
@@ -113,7 +127,3 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
         timeout=120,
     )
     assert after.status_code == 200
-    # Back to one replica for anything that runs after.
-    live.write_config(text)
-    live.platform.deploy(load_config(live.config_path))
-    wait_for_replicas(APP, 1)

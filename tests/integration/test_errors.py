@@ -46,6 +46,15 @@ def assert_openai_error(response, status, *, param=None, contains=""):
             "",
         ),
         ({"model": MODEL, "messages": MSG, "stream": "maybe"}, 400, "stream", ""),
+        # Found by the schema fuzzer (test_fuzz.py): each was a 500.
+        ({"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages.0.role", "role"),
+        ({"model": MODEL, "messages": MSG, "structured_outputs": {}}, 400, None, "structured"),
+        (
+            {"model": MODEL, "messages": MSG, "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            "stream=true",
+        ),
     ],
 )
 def test_bad_requests(live, body, status, param, contains):
@@ -69,6 +78,23 @@ def test_prompt_at_the_context_boundary(live, prompt_tokens, status):
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1023, 1)
     else:  # vLLM: no room left for max_tokens
         assert_openai_error(response, 400, contains="max_tokens")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "contains"),
+    [
+        ({"model": MODEL}, "prompt", "prompt"),
+        ({"model": MODEL, "prompt": "Hi", "logprobs": -6}, "logprobs", "positive"),
+        (
+            {"model": MODEL, "prompt": "Hi", "response_format": {}},
+            "response_format.type",
+            "required",
+        ),
+    ],
+)
+def test_bad_completion_requests(live, body, param, contains):
+    response = live.http.post("/v1/completions", json=body)
+    assert_openai_error(response, 400, param=param, contains=contains)
 
 
 def test_negative_token_ids_are_refused(live):

@@ -1,31 +1,46 @@
-"""The acceptance guardrail on real engines: an arm whose drafts fall short of the configured
-floor is drained from the weighted split, with a metric, and returns. The floor is set where the
-ngram arm cannot reach it (mean acceptance length 3.9 of at most 4 at k = 3), which is what a
-drafter that does not match its target looks like to the guardrail. (The drain's end in time is
-checked with a controlled clock in tests/unit/test_guardrail.py.)"""
+"""The acceptance guardrail on real engines: an EAGLE-3 arm whose drafter does not match the
+target (the shipped drafter with its vocabulary projection shuffled, so it proposes the wrong
+tokens) is drained from the weighted split, with a metric, and returns when the guardrail is
+reconfigured. (The drain's end in time is checked with a controlled clock in
+tests/unit/test_guardrail.py.)"""
 
+import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
 
 from specserve import headers
+from specserve.config import load_config
 from specserve.metrics import ARM_DRAINED, EXPORT_PREFIX, GUARDRAIL_DRAINS
+from specserve.models import resolve_drafter_source
 from tests.conftest import MODEL, ROUTER_REPLICAS
 
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
+ARM = "mismatched"
+MISMATCHED_ARM = """\
+  - name: mismatched
+    weight: 1
+    speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
+    engine: {{dtype: bfloat16, enforce_eager: true, max_num_seqs: 16}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
+          VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
+"""
 GUARDRAIL = """\
 guardrail:
-  min_acceptance_length: 3.9
+  min_acceptance_length: {floor}
   window_s: 600
   min_drafts: 10
-  drain_s: {drain_s}
+  drain_s: 900
 """
-# A prompt the ngram drafter finds matches in, so it drafts (and is judged).
-REPETITIVE = "Repeat exactly, ten times: red green blue, red green blue, red green blue."
+# The shipped drafter reaches 1.5-1.9 on chat; a drafter proposing wrong tokens stays near 1.
+FLOOR = 1.3
 
 
 def arms_of(live, n: int) -> list[str]:
@@ -44,35 +59,71 @@ def replicas_draining(live, arm: str) -> int:
     )
 
 
-def test_an_arm_below_the_acceptance_floor_is_drained_and_returns(live, restore_config):
+@pytest.fixture(scope="module")
+def mismatched_drafter(tmp_path_factory) -> Path:
+    """The shipped EAGLE-3 drafter with the rows of its vocabulary projection shuffled: it loads
+    and drafts like any drafter, but its guesses are other tokens."""
+    out = tmp_path_factory.mktemp("drafters") / ARM
+    shutil.copytree(resolve_drafter_source("package://eagle3"), out)
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randperm(weights["lm_head.weight"].shape[0], generator=generator)
+    weights["lm_head.weight"] = weights["lm_head.weight"][rows].contiguous()
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+def mean_acceptance_length(response: httpx.Response) -> float:
+    spec = response.json()["metrics"]["speculative_decoding"]
+    return 1 + spec["num_accepted_draft_tokens"] / max(1, spec["num_spec_steps"])
+
+
+def test_a_mismatched_drafter_is_drained_and_returns(live, restore_config, mismatched_drafter):
     original = live.config_path.read_text()
-    live.write_config(original + GUARDRAIL.format(drain_s=900))
-    drains_before = live.metric(GUARDRAIL_DRAINS + "_total", arm="ngram")
+    with_arm = original + MISMATCHED_ARM.format(drafter=mismatched_drafter)
+    try:
+        live.write_config(with_arm + GUARDRAIL.format(floor=FLOOR))
+        live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
+        live.platform.wait_until_running(timeout_s=420)
+        check_drain_and_return(live, with_arm)
+    finally:
+        live.write_config(original)
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=300)
+
+
+def check_drain_and_return(live, with_arm: str) -> None:
+    drains_before = live.metric(GUARDRAIL_DRAINS + "_total", arm=ARM)
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": REPETITIVE}],
-        "max_tokens": 48,
+        "messages": [{"role": "user", "content": "Tell me about the moon."}],
+        "max_tokens": 32,
     }
     # Override traffic feeds the guardrail of whichever router replica serves it, until every
     # replica has drained the arm (the proxy may favour one replica for a while).
+    lengths = []
     for _ in range(120):
-        response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "ngram"})
+        response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
         assert response.status_code == 200
-        if replicas_draining(live, "ngram") == ROUTER_REPLICAS:
+        lengths.append(mean_acceptance_length(response))
+        if replicas_draining(live, ARM) == ROUTER_REPLICAS:
             break
     else:
-        raise AssertionError("ngram was not drained by every router replica")
-    live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + ROUTER_REPLICAS, arm="ngram")
+        raise AssertionError(f"{ARM} was not drained by every router replica")
+    live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + ROUTER_REPLICAS, arm=ARM)
+    mean = sum(lengths) / len(lengths)
+    print(f"{ARM}: drained after {len(lengths)} requests, mean acceptance length {mean:.2f}")
+    assert mean < FLOOR
 
     # Weighted traffic avoids the drained arm; the override still reaches it.
-    assert set(arms_of(live, 16)) == {"no-spec"}
-    forced = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "ngram"})
-    assert forced.headers[headers.ARM] == "ngram"
+    assert ARM not in set(arms_of(live, 24))
+    forced = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
+    assert forced.headers[headers.ARM] == ARM
 
     # A new guardrail setting starts over: the arm takes weighted traffic again.
-    live.write_config(original + GUARDRAIL.format(drain_s=901).replace("3.9", "1.0"))
-    assert "ngram" in set(arms_of(live, 24))
+    live.write_config(with_arm + GUARDRAIL.format(floor=1.0))
+    assert ARM in set(arms_of(live, 30))
     deadline = time.monotonic() + 10  # the gauges follow within an export interval
-    while replicas_draining(live, "ngram") and time.monotonic() < deadline:
+    while replicas_draining(live, ARM) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert replicas_draining(live, "ngram") == 0
+    assert replicas_draining(live, ARM) == 0

@@ -22,12 +22,14 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+from vllm.exceptions import VLLMValidationError
 
 from specserve import headers
 from specserve.config import LoadedConfig, RouterConfig, load_config
 from specserve.metrics import RouterMetrics
 from specserve.router.errors import OpenAIError, from_validation_error, install_error_handlers
 from specserve.router.guardrail import AcceptanceGuard
+from specserve.router.openapi import openapi_document
 from specserve.router.proxy import InFlight, RequestRecord, forward
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
 from specserve.serve_config import (
@@ -46,6 +48,7 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,
     COMPLETIONS: CompletionRequest,
 }
+_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 # How often the router asks Ray Serve which arms run, and how long a new replica's first request
 # waits for the first answer.
 ARM_STATUS_POLL_S = 1.0
@@ -56,7 +59,8 @@ RUNNING = "RUNNING"
 # few levels), and pydantic and pickling across Ray recurse once per level.
 MAX_JSON_DEPTH = 64
 
-app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+# The OpenAPI document is served by the router from its live config (see openapi.py).
+app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
 
 
@@ -111,6 +115,8 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
         value = data.get(key)
         if value is None:
             continue
+        if isinstance(value, float) and value.is_integer():
+            value = data[key] = int(value)  # JSON's 16.0 is an integer, as pydantic reads it
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise OpenAIError(400, f"{key} must be a positive integer, got {value!r}", param=key)
         if value > most:
@@ -128,11 +134,27 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
         body = _REQUEST_MODELS[endpoint].model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    except VLLMValidationError as exc:
+        # vLLM's model validators check parameter combinations (structured outputs, logprobs,
+        # stream options) by raising their own error, which pydantic passes through.
+        param = exc.parameter
+        message = exc.args[0] if exc.args else str(exc)
+        raise OpenAIError(400, f"{param}: {message}" if param else message, param=param) from None
     if endpoint == CHAT:
+        _check_roles(data["messages"])
         # Validated message content can hold pydantic iterators that do not pickle across the
         # Ray call; the raw JSON is equivalent and plain data.
         body.messages = data["messages"]  # type: ignore[attr-defined]
     return body, client_wants_usage
+
+
+def _check_roles(messages: list[Any]) -> None:
+    """vLLM's message schema admits a message without a role (a loose custom type) and then
+    fails on it while rendering the prompt: refuse it here."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role") if isinstance(message, dict) else None, str):
+            param = f"messages.{i}.role"
+            raise OpenAIError(400, f"{param}: every message needs a string role", param=param)
 
 
 def _check_arm_supports(data: dict[str, Any], arm: str, config: RouterConfig) -> None:
@@ -194,6 +216,7 @@ class Router:
         self.in_flight = InFlight()
         self.draining = False
         self.handles: dict[str, DeploymentHandle] = {}
+        self._openapi: tuple[str, dict[str, Any]] = ("", {})  # (revision, document)
         # App status per arm, and the arms a request may be routed to (see _routable).
         self.statuses: dict[str, str] = {}
         self.running: frozenset[str] = frozenset()
@@ -301,11 +324,19 @@ class Router:
             raise _unknown_model(model, config)
         return _model_card(config)
 
-    @app.post("/v1/chat/completions")
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> dict[str, Any]:
+        loaded = self.loaded
+        if self._openapi[0] != loaded.revision:
+            bodies = {_PATHS[e]: model for e, model in _REQUEST_MODELS.items()}
+            self._openapi = (loaded.revision, openapi_document(app, loaded, bodies))
+        return self._openapi[1]
+
+    @app.post(_PATHS[CHAT])
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, CHAT)
 
-    @app.post("/v1/completions")
+    @app.post(_PATHS[COMPLETIONS])
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, COMPLETIONS)
 

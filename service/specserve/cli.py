@@ -101,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     eval_p.add_argument("--per-set", type=int, default=24, help="prompts per held-out set")
     eval_p.add_argument("--out", type=Path, help="write the results as JSON here")
 
+    bench_p = sub.add_parser(
+        "bench",
+        help="per-arm speed side by side at several concurrency levels (vLLM's serving benchmark)",
+    )
+    from specserve.bench import serving
+
+    serving.add_arguments(bench_p)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -141,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             path = _config_path(args.config)
             print(prepare_model(load_config(path).config.model.source, force=args.force))
             return 0
+        if args.command == "bench":
+            return serving.run(args)
         if args.command == "drafter":
             return _drafter(args)
     except ConfigError as exc:

@@ -1,0 +1,433 @@
+"""`specserve bench`: per-arm serving speed side by side, on vLLM's own serving benchmark.
+
+For each concurrency level, the prompts are cut into rounds; in every round each arm (forced with
+the override header, in a rotating order) serves the same prompts through
+`vllm.benchmarks.serve.benchmark` — vLLM's request functions and metrics, streaming, greedy — so
+every ratio compares arms on the same prompts under the same machine state. Warm-up requests are
+excluded. Acceptance comes from specserve's per-arm counters on the metrics endpoint, read at
+each level's start and end. Speedup is the ratio of mean per-user output tokens/s against the
+baseline arm, with a bootstrap confidence interval over prompts (paired: the same prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from specserve import headers
+from specserve.metrics import (
+    EXPORT_PREFIX,
+    POSITION,
+    SPEC_ACCEPTED_PER_POSITION,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFTS,
+)
+from specserve.settings import get_settings
+
+PROMPT_SETS = ("chat", "coding", "long", "perturbed")
+_KIND_OF_SET = {"chat": "chat", "coding": "code", "long": "long", "perturbed": "perturbed"}
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+# Ray exports recorded metrics in batches (every 2 s for a local `specserve serve`).
+METRICS_SETTLE_S = 5.0
+
+
+@dataclass
+class Cell:
+    """One arm at one concurrency level: per-request figures in prompt order."""
+
+    arm: str
+    concurrency: int
+    # Per user: output tokens / latency; NaN where the request failed, so that the lists of
+    # every arm stay aligned prompt by prompt.
+    tokens_per_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    failed: int = 0
+    acceptance: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        tps = np.array(self.tokens_per_s)
+        tps = tps[~np.isnan(tps)]
+        return {
+            "arm": self.arm,
+            "concurrency": self.concurrency,
+            "requests": len(tps),
+            "failed": self.failed,
+            "tokens_per_s_mean": float(tps.mean()) if len(tps) else math.nan,
+            "tokens_per_s_p50": float(np.median(tps)) if len(tps) else math.nan,
+            "ttft_ms_p50": _ms_median(self.ttft_s),
+            "tpot_ms_p50": _ms_median(self.tpot_s),
+            "latency_ms_p50": _ms_median(self.latency_s),
+            **self.acceptance,
+        }
+
+
+def _ms_median(values: list[float]) -> float:
+    return float(np.median(values)) * 1000 if values else math.nan
+
+
+def load_prompts(source: str, limit: int) -> list[list[dict]]:
+    """Chat messages: a built-in held-out set (never trained on), or a JSONL file with one
+    `{"messages": [...]}` or `{"prompt": "..."}` per line."""
+    if source in PROMPT_SETS:
+        from specserve.drafter.prompts import build_prompts
+
+        kind = _KIND_OF_SET[source]
+        prompts = [p.messages for p in build_prompts(held_out=True) if p.kind == kind]
+        # A multi-turn prompt's assistant turns are filled in by training; here: first turn.
+        chats = [m[: next(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in prompts]
+    else:
+        chats = []
+        for line in Path(source).read_text().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                chats.append(item.get("messages") or [{"role": "user", "content": item["prompt"]}])
+    if not chats:
+        raise SystemExit(f"no prompts in {source!r}")
+    return chats[:limit]
+
+
+def discover(url: str) -> tuple[str, list[str]]:
+    """The served model and the configured arms, from the router's OpenAPI document."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    arm_header = next(p for p in chat["parameters"] if p["name"] == headers.ARM_OVERRIDE)
+    return model, list(arm_header["schema"]["enum"])
+
+
+def read_acceptance(metrics_url: str | None) -> dict[str, dict[str, float]]:
+    """Per arm: verify steps, accepted draft tokens and accepted tokens per draft position."""
+    if metrics_url is None:
+        return {}
+    wanted = {
+        EXPORT_PREFIX + SPEC_DRAFTS + "_total": "drafts",
+        EXPORT_PREFIX + SPEC_ACCEPTED_TOKENS + "_total": "accepted",
+        EXPORT_PREFIX + SPEC_ACCEPTED_PER_POSITION + "_total": "position",
+    }
+    out: dict[str, dict[str, float]] = {}
+    text = httpx.get(metrics_url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = wanted.get(s.name)
+            if name is None or "arm" not in s.labels:
+                continue
+            key = f"position_{s.labels[POSITION]}" if name == "position" else name
+            arm = out.setdefault(s.labels["arm"], {})
+            arm[key] = arm.get(key, 0.0) + s.value
+    return out
+
+
+def acceptance_between(before: dict, after: dict, arm: str) -> dict[str, Any]:
+    a, b = after.get(arm, {}), before.get(arm, {})
+    drafts = a.get("drafts", 0.0) - b.get("drafts", 0.0)
+    if drafts <= 0:
+        return {}
+    accepted = a.get("accepted", 0.0) - b.get("accepted", 0.0)
+    positions = sorted(k for k in a if k.startswith("position_"))
+    return {
+        "mean_acceptance_length": 1 + accepted / drafts,
+        "accepted_per_position": [
+            (a[k] - b.get(k, 0.0)) / drafts for k in sorted(positions, key=lambda k: int(k[9:]))
+        ],
+    }
+
+
+async def _run_block(url, model, arm, chats, concurrency, max_tokens, warmups) -> list:
+    """One arm serving `chats` at `concurrency` through vLLM's serving benchmark."""
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    requests = [
+        SampleRequest(prompt="", prompt_len=0, expected_output_len=max_tokens, chat_messages=m)
+        for m in chats
+    ]
+    # vLLM's benchmark prints its own report; the per-request figures are what is kept.
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = await benchmark(
+            task_type=TaskType.GENERATION,
+            endpoint_type="openai-chat",
+            api_url=f"{url}/v1/chat/completions",
+            base_url=url,
+            model_id=model,
+            model_name=model,
+            tokenizer=None,
+            input_requests=requests,
+            logprobs=None,
+            request_rate=float("inf"),
+            burstiness=1.0,
+            disable_tqdm=True,
+            num_warmups=warmups,
+            profile=False,
+            selected_percentile_metrics=["ttft", "tpot", "e2el"],
+            selected_percentiles=[50.0],
+            ignore_eos=False,
+            goodput_config_dict={},
+            max_concurrency=concurrency,
+            lora_modules=None,
+            extra_headers={headers.ARM_OVERRIDE: arm},
+            extra_body={"temperature": 0.0},
+            ready_check_timeout_sec=0,
+        )
+    return list(
+        zip(
+            result["output_lens"],
+            result["ttfts"],
+            result["latencies"],
+            result["errors"],
+            strict=True,
+        )
+    )
+
+
+def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
+    cells = {arm: Cell(arm, concurrency) for arm in arms}
+    rounds = [chats[i :: args.rounds] for i in range(args.rounds)]
+    before = read_acceptance(args.metrics_url)
+    progress = tqdm(total=len(chats) * len(arms), desc=f"concurrency {concurrency}")
+    for r, prompts in enumerate(rounds):
+        order = arms[r % len(arms) :] + arms[: r % len(arms)]
+        for arm in order:
+            rows = asyncio.run(
+                _run_block(
+                    args.url, model, arm, prompts, concurrency, args.max_tokens, args.warmups
+                )
+            )
+            cell = cells[arm]
+            for tokens, ttft, latency, error in rows:
+                if error or not tokens:
+                    cell.failed += 1
+                    cell.tokens_per_s.append(math.nan)
+                    continue
+                cell.tokens_per_s.append(tokens / latency)
+                cell.ttft_s.append(ttft)
+                cell.latency_s.append(latency)
+                if tokens > 1:
+                    cell.tpot_s.append((latency - ttft) / (tokens - 1))
+            progress.update(len(prompts))
+    progress.close()
+    if args.metrics_url:
+        time.sleep(METRICS_SETTLE_S)
+    after = read_acceptance(args.metrics_url)
+    for arm, cell in cells.items():
+        cell.acceptance = acceptance_between(before, after, arm)
+    return cells
+
+
+def speedup_ci(arm: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """Ratio of mean per-user tokens/s, arm over baseline, and its bootstrap CI over prompts
+    (resampling prompt indices, so both arms keep the same prompts)."""
+    a, b = np.array(arm), np.array(base)
+    both = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[both], b[both]
+    n = len(a)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
+    ratios = a[idx].mean(axis=1) / b[idx].mean(axis=1)
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(a.mean() / b.mean()), float(low), float(high)
+
+
+def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[str, Any]]:
+    rows = []
+    for cells in levels.values():
+        base = cells.get(baseline)
+        for cell in cells.values():
+            row = cell.summary()
+            if base is not None:
+                ratio, low, high = speedup_ci(cell.tokens_per_s, base.tokens_per_s)
+                row |= {"speedup": ratio, "speedup_low": low, "speedup_high": high}
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
+    lines = [
+        f"| arm | users | tok/s per user (mean / p50) | speedup vs {baseline} (95% CI) "
+        "| TTFT p50 | TPOT p50 | latency p50 | acceptance length | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        speedup = (
+            f"{r['speedup']:.2f}x ({r['speedup_low']:.2f}-{r['speedup_high']:.2f})"
+            if not math.isnan(r.get("speedup", math.nan))
+            else "-"
+        )
+        acc = r.get("mean_acceptance_length")
+        lines.append(
+            f"| {r['arm']} | {r['concurrency']} | {r['tokens_per_s_mean']:.1f} / "
+            f"{r['tokens_per_s_p50']:.1f} | {speedup} | {r['ttft_ms_p50']:.0f} ms "
+            f"| {r['tpot_ms_p50']:.1f} ms | {r['latency_ms_p50']:.0f} ms "
+            f"| {f'{acc:.2f}' if acc else '-'} | {r['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def compare(rows: list[dict[str, Any]], earlier: dict[str, Any]) -> str:
+    """What changed per arm and level since an earlier run's JSON."""
+    old = {(r["arm"], r["concurrency"]): r for r in earlier["rows"]}
+    lines = [
+        "| arm | users | tok/s per user now (then) | change | speedup now (then) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        was = old.get((r["arm"], r["concurrency"]))
+        if was is None:
+            lines.append(
+                f"| {r['arm']} | {r['concurrency']} | {r['tokens_per_s_mean']:.1f} (new) | - | - |"
+            )
+            continue
+        change = r["tokens_per_s_mean"] / was["tokens_per_s_mean"] - 1
+        lines.append(
+            f"| {r['arm']} | {r['concurrency']} | {r['tokens_per_s_mean']:.1f} "
+            f"({was['tokens_per_s_mean']:.1f}) | {change:+.1%} "
+            f"| {r.get('speedup', math.nan):.2f}x ({was.get('speedup', math.nan):.2f}x) |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], baseline: str, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    arms = sorted({r["arm"] for r in rows if r["arm"] != baseline})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in arms:
+        mine = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in mine]
+        y = np.array([r.get("speedup", math.nan) for r in mine])
+        low = y - np.array([r.get("speedup_low", math.nan) for r in mine])
+        high = np.array([r.get("speedup_high", math.nan) for r in mine]) - y
+        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=4, label=arm)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel(f"per-user tokens/s vs {baseline}")
+    ax.set_title("Speedup (95% bootstrap CI)")
+    paths.append(_save(fig, ax, out / "speedup.png"))
+
+    with_positions = [r for r in rows if r.get("accepted_per_position")]
+    if with_positions:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for arm in sorted({r["arm"] for r in with_positions}):
+            # The lowest concurrency's run: acceptance does not depend on load.
+            r = min((r for r in with_positions if r["arm"] == arm), key=lambda r: r["concurrency"])
+            per_position = r["accepted_per_position"]
+            ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=arm)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("accepted per verify step")
+        ax.set_ylim(0, 1)
+        ax.set_title("Acceptance by draft position")
+        paths.append(_save(fig, ax, out / "acceptance_by_position.png"))
+    return paths
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="OpenAI-compatible base")
+    parser.add_argument("--arms", nargs="*", help="default: every configured arm")
+    parser.add_argument("--baseline", default="no-spec", help="the arm speedups are against")
+    parser.add_argument(
+        "--prompts", default="chat", help=f"{' | '.join(PROMPT_SETS)} or a JSONL file"
+    )
+    parser.add_argument("--num-prompts", type=int, default=32, help="per concurrency level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="arms take turns this many times")
+    parser.add_argument("--warmups", type=int, default=2, help="requests per block, not counted")
+    parser.add_argument(
+        "--metrics-url",
+        default=f"http://127.0.0.1:{get_settings().metrics_port}/metrics",
+        help="specserve's metrics endpoint, for acceptance ('' to skip)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--compare", type=Path, help="an earlier run's results.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    args.url = args.url.rstrip("/")
+    args.metrics_url = args.metrics_url or None
+    model, configured = discover(args.url)
+    arms = args.arms or configured
+    unknown = sorted(set(arms) - set(configured))
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; configured: {configured}")
+    if args.baseline not in arms:
+        raise SystemExit(f"baseline {args.baseline!r} is not among the arms {arms}")
+    if args.metrics_url:
+        try:
+            read_acceptance(args.metrics_url)
+        except httpx.HTTPError as exc:
+            print(f"metrics endpoint unreachable ({exc}); acceptance is left out")
+            args.metrics_url = None
+    chats = load_prompts(args.prompts, args.num_prompts)
+    print(
+        f"{model}: arms {arms}, {len(chats)} {args.prompts} prompts per level, "
+        f"concurrency {args.concurrency}, {args.max_tokens} tokens at most, greedy"
+    )
+    levels = {c: measure_level(args, model, arms, chats, c) for c in args.concurrency}
+    rows = summarize(levels, args.baseline)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "model": model,
+        "url": args.url,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": rows,
+        "requests": {
+            f"{c}/{arm}": asdict(cell) for c, cells in levels.items() for arm, cell in cells.items()
+        },
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown(rows, args.baseline)
+    (args.out / "results.md").write_text(table + "\n")
+    print(table)
+    if args.compare:
+        print(f"\nsince {args.compare}:\n" + compare(rows, json.loads(args.compare.read_text())))
+    for path in plot(rows, args.baseline, args.out):
+        print(f"wrote {path}")
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""`specserve bench` against the live platform: vLLM's serving benchmark drives every arm on the
+same prompts, and the reports (JSON, markdown, plots, comparison) come out of real requests."""
+
+import argparse
+import json
+
+import pytest
+
+from specserve.bench import serving
+
+pytestmark = pytest.mark.slow
+
+
+def bench_args(live, out, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    return parser.parse_args(
+        [
+            *("--url", live.base_url, "--metrics-url", live.metrics_url),
+            *("--prompts", "chat", "--num-prompts", "4", "--concurrency", "1", "2"),
+            *("--max-tokens", "16", "--rounds", "2", "--warmups", "1", "--out", str(out)),
+            *extra,
+        ]
+    )
+
+
+def test_bench_measures_every_arm_side_by_side(live, tmp_path, capsys):
+    assert serving.run(bench_args(live, tmp_path)) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["arm"], r["concurrency"]): r for r in results["rows"]}
+    assert set(rows) == {(arm, c) for arm in ("no-spec", "ngram") for c in (1, 2)}
+    for row in rows.values():
+        assert row["requests"] == 4 and row["failed"] == 0
+        assert row["tokens_per_s_mean"] > 0 and row["ttft_ms_p50"] > 0
+        assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
+    assert rows[("no-spec", 1)]["speedup"] == 1.0
+    assert "mean_acceptance_length" not in rows[("no-spec", 1)]  # no drafts, no figure
+    if "mean_acceptance_length" in rows[("ngram", 1)]:  # ngram drafts only on repeats
+        assert 1.0 <= rows[("ngram", 1)]["mean_acceptance_length"] <= 4.0
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+    assert "| ngram | 2 |" in (tmp_path / "results.md").read_text()
+
+    again = tmp_path / "again"
+    args = bench_args(
+        live, again, "--concurrency", "1", "--compare", str(tmp_path / "results.json")
+    )
+    assert serving.run(args) == 0
+    assert "tok/s per user now (then)" in capsys.readouterr().out
+
+
+def test_bench_refuses_an_arm_that_is_not_configured(live, tmp_path):
+    with pytest.raises(SystemExit, match="unknown arms"):
+        serving.run(bench_args(live, tmp_path, "--arms", "no-spec", "eagle9"))

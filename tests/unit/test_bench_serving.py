@@ -1,0 +1,71 @@
+"""`specserve bench`'s statistics and reports, on figures with known answers."""
+
+import math
+
+import numpy as np
+
+from specserve.bench.serving import Cell, acceptance_between, compare, speedup_ci, summarize
+
+
+def test_speedup_is_the_ratio_of_means_and_its_interval_covers_it():
+    rng = np.random.default_rng(1)
+    base = list(rng.normal(20, 2, 64))
+    arm = [x * 1.5 for x in base]  # every prompt exactly 1.5x faster
+    ratio, low, high = speedup_ci(arm, base)
+    assert math.isclose(ratio, 1.5)
+    assert math.isclose(low, 1.5) and math.isclose(high, 1.5)  # paired: no spread at all
+
+    noisy = list(np.array(base) * rng.normal(1.2, 0.2, 64))
+    ratio, low, high = speedup_ci(noisy, base)
+    assert low < ratio < high
+    assert low > 1.0 and high < 1.4
+
+
+def test_a_failed_request_drops_that_prompt_from_both_arms():
+    ratio, _, _ = speedup_ci([2.0, math.nan, 4.0], [1.0, 100.0, 2.0])
+    assert math.isclose(ratio, 2.0)
+    assert all(math.isnan(x) for x in speedup_ci([math.nan], [1.0]))
+
+
+def test_acceptance_between_two_reads_of_the_counters():
+    before = {"eagle3": {"drafts": 10, "accepted": 5, "position_0": 4, "position_1": 1}}
+    after = {
+        "eagle3": {
+            "drafts": 110,
+            "accepted": 205,
+            "position_0": 94,
+            "position_1": 66,
+            "position_2": 45,
+        }
+    }
+    acc = acceptance_between(before, after, "eagle3")
+    assert math.isclose(acc["mean_acceptance_length"], 3.0)
+    assert acc["accepted_per_position"] == [0.9, 0.65, 0.45]
+    assert acceptance_between(before, after, "no-spec") == {}
+
+
+def test_summary_rows_and_comparison():
+    base = Cell(
+        "no-spec",
+        4,
+        tokens_per_s=[10.0, 10.0],
+        ttft_s=[0.1, 0.1],
+        tpot_s=[0.1, 0.1],
+        latency_s=[1.0, 1.0],
+    )
+    fast = Cell(
+        "eagle3",
+        4,
+        tokens_per_s=[15.0, math.nan],
+        ttft_s=[0.1],
+        tpot_s=[0.06],
+        latency_s=[0.7],
+        failed=1,
+    )
+    rows = summarize({4: {"no-spec": base, "eagle3": fast}}, "no-spec")
+    row = next(r for r in rows if r["arm"] == "eagle3")
+    assert row["requests"] == 1 and row["failed"] == 1
+    assert math.isclose(row["speedup"], 1.5) and math.isclose(row["tokens_per_s_mean"], 15.0)
+    earlier = {"rows": [{**row, "tokens_per_s_mean": 12.0, "speedup": 1.2}]}
+    table = compare(rows, earlier)
+    assert "+25.0%" in table and "1.50x (1.20x)" in table and "(new)" in table

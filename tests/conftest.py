@@ -125,18 +125,14 @@ class Live:
         """The samples of `name` (as declared in metrics.py; Ray exports it with its prefix)
         whose labels include `labels`, over the router replicas: summed for counters and
         histograms, the largest for gauges (each replica sets the same value)."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from specserve.metrics import EXPORT_PREFIX, scrape
 
-        from specserve.metrics import EXPORT_PREFIX
-
-        values = []
-        text = httpx.get(self.metrics_url, timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == EXPORT_PREFIX + name and all(
-                    s.labels.get(k) == v for k, v in labels.items()
-                ):
-                    values.append((family.type, s.value))
+        values = [
+            (kind, s.value)
+            for kind, s in scrape(self.metrics_url)
+            if s.name == EXPORT_PREFIX + name
+            and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
         if any(kind == "gauge" for kind, _ in values):
             return max(value for _, value in values)
         return sum(value for _, value in values)

@@ -18,13 +18,12 @@ from typing import Any
 
 import httpx
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.config import LoadedConfig, load_config
 from specserve.engine.preflight import check_engine_settings
-from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT
+from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
 from specserve.serve_config import (
     ROUTER_APP_NAME,
@@ -125,15 +124,9 @@ class Platform:
         url = f"http://127.0.0.1:{self.settings.metrics_port}/metrics"
         name = EXPORT_PREFIX + REQUESTS_IN_FLIGHT
         try:
-            text = httpx.get(url, timeout=2).text
+            return sum(s.value for _, s in scrape(url, timeout_s=2) if s.name == name)
         except httpx.HTTPError:
             return None
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        )
 
     # -- config ----------------------------------------------------------------------------
 

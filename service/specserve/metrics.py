@@ -27,8 +27,11 @@ These are vLLM's definitions (v1/spec_decode/metrics.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from ray.util.metrics import Counter, Gauge, Histogram
 
 # Ray's exporter puts this in front of every name recorded through ray.util.metrics.
@@ -320,3 +323,12 @@ class RouterMetrics:
                 self.accepted_per_position.inc(
                     accepted, self._tags(arm, **{POSITION: str(position)})
                 )
+
+
+def scrape(url: str, timeout_s: float = 10) -> Iterator[tuple[str, Sample]]:
+    """Every sample on a metrics endpoint (Ray's export port) with its family's type
+    ("counter", "gauge", ...): raises httpx.HTTPError when it cannot be read."""
+    text = httpx.get(url, timeout=timeout_s).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield family.type, sample

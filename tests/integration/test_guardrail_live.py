@@ -11,12 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from specserve import headers
 from specserve.config import load_config
-from specserve.metrics import ARM_DRAINED, EXPORT_PREFIX, GUARDRAIL_DRAINS
+from specserve.metrics import ARM_DRAINED, EXPORT_PREFIX, GUARDRAIL_DRAINS, scrape
 from specserve.models import resolve_drafter_source
 from tests.conftest import MODEL, ROUTER_REPLICAS
 
@@ -50,12 +49,10 @@ def arms_of(live, n: int) -> list[str]:
 
 def replicas_draining(live, arm: str) -> int:
     """How many router replicas hold `arm` drained (each exports its own gauge series)."""
-    text = httpx.get(live.metrics_url, timeout=10).text
     return sum(
-        int(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == EXPORT_PREFIX + ARM_DRAINED and sample.labels.get("arm") == arm
+        int(s.value)
+        for _, s in scrape(live.metrics_url)
+        if s.name == EXPORT_PREFIX + ARM_DRAINED and s.labels.get("arm") == arm
     )
 
 

@@ -1,7 +1,9 @@
 """An engine-level change redeploys only the arm it touches: the platform hands Ray Serve the
-whole Serve config and Ray Serve finds the one application that changed. Runs last: it restarts
-an engine."""
+whole Serve config and Ray Serve finds the one application that changed, and the other arms
+serve on without dropping a request. Runs last: it restarts an engine."""
 
+import contextlib
+import threading
 import time
 
 import pytest
@@ -23,14 +25,40 @@ def replica_actors(app: str) -> set[str]:
     }
 
 
+@contextlib.contextmanager
+def steady_traffic(live, arm: str):
+    """Requests to `arm`, one after another, while the block runs; yields their statuses."""
+    statuses: list[int] = []
+    stop = threading.Event()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    def send() -> None:
+        while not stop.is_set():
+            r = live.http.post(
+                "/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: arm}
+            )
+            statuses.append(r.status_code)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        sender.join()
+
+
 def test_changing_k_redeploys_only_that_arm(live, restore_config):
     no_spec_before = replica_actors("arm-no-spec")
     ngram_before = replica_actors("arm-ngram")
     assert no_spec_before and ngram_before
 
-    live.write_config(render_config(k=2))
-    live.platform.deploy(load_config(live.config_path))
-    live.platform.wait_until_running(timeout_s=300)
+    with steady_traffic(live, "no-spec") as statuses:
+        live.write_config(render_config(k=2))
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=300)
+    print(f"no-spec served {len(statuses)} requests while ngram redeployed")
+    assert len(statuses) >= 5 and set(statuses) == {200}  # none dropped on the other arm
 
     assert replica_actors("arm-no-spec") == no_spec_before
     assert replica_actors("arm-ngram").isdisjoint(ngram_before)

@@ -2,10 +2,8 @@
 
 import time
 
-import httpx
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import metrics as m
 from tests.conftest import free_port
@@ -35,11 +33,10 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         samples = {}
-        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
-            for s in family.samples:
-                if s.name.startswith(m.EXPORT_PREFIX + m.PREFIX):
-                    own = {k: v for k, v in s.labels.items() if k in OWN_LABELS}
-                    samples[(s.name, frozenset(own.items()))] = s.value
+        for _, s in m.scrape(url, timeout_s=5):
+            if s.name.startswith(m.EXPORT_PREFIX + m.PREFIX):
+                own = {k: v for k, v in s.labels.items() if k in OWN_LABELS}
+                samples[(s.name, frozenset(own.items()))] = s.value
         if done(samples) or time.monotonic() > deadline:
             return samples
         if tick is not None:

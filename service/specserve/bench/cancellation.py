@@ -18,10 +18,10 @@ import os
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.metrics import scrape
 
 EXPORT_INTERVAL_MS = 250
 RUNNING = "ray_vllm_num_requests_running"
@@ -36,13 +36,11 @@ def engine_gauges(metrics_url: str) -> dict[str, float]:
     (summed). vLLM's gauges are absent while an engine is idle (Ray drops a series that stops
     changing): absent counts as idle, 0."""
     values = {RUNNING: 0.0, KV_CACHE: 0.0, GENERATED: 0.0}
-    text = httpx.get(metrics_url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == KV_CACHE:
-                values[KV_CACHE] = max(values[KV_CACHE], sample.value)
-            elif sample.name in (RUNNING, GENERATED):
-                values[sample.name] += sample.value
+    for _, sample in scrape(metrics_url):
+        if sample.name == KV_CACHE:
+            values[KV_CACHE] = max(values[KV_CACHE], sample.value)
+        elif sample.name in (RUNNING, GENERATED):
+            values[sample.name] += sample.value
     return values
 
 

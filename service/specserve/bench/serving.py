@@ -24,16 +24,17 @@ from typing import Any
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from specserve import headers
 from specserve.metrics import (
+    ARM,
     EXPORT_PREFIX,
     POSITION,
     SPEC_ACCEPTED_PER_POSITION,
     SPEC_ACCEPTED_TOKENS,
     SPEC_DRAFTS,
+    scrape,
 )
 from specserve.settings import get_settings
 
@@ -121,15 +122,13 @@ def read_acceptance(metrics_url: str | None) -> dict[str, dict[str, float]]:
         EXPORT_PREFIX + SPEC_ACCEPTED_PER_POSITION + "_total": "position",
     }
     out: dict[str, dict[str, float]] = {}
-    text = httpx.get(metrics_url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = wanted.get(s.name)
-            if name is None or "arm" not in s.labels:
-                continue
-            key = f"position_{s.labels[POSITION]}" if name == "position" else name
-            arm = out.setdefault(s.labels["arm"], {})
-            arm[key] = arm.get(key, 0.0) + s.value
+    for _, s in scrape(metrics_url):
+        name = wanted.get(s.name)
+        if name is None or ARM not in s.labels:
+            continue
+        key = f"position_{s.labels[POSITION]}" if name == "position" else name
+        arm = out.setdefault(s.labels[ARM], {})
+        arm[key] = arm.get(key, 0.0) + s.value
     return out
 
 
@@ -337,6 +336,7 @@ def plot(rows: list[dict[str, Any]], baseline: str, out: Path) -> list[Path]:
             r = min((r for r in with_positions if r["arm"] == arm), key=lambda r: r["concurrency"])
             per_position = r["accepted_per_position"]
             ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=arm)
+        ax.set_xticks(range(1, max(len(r["accepted_per_position"]) for r in with_positions) + 1))
         ax.set_xlabel("draft position")
         ax.set_ylabel("accepted per verify step")
         ax.set_ylim(0, 1)

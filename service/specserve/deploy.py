@@ -9,6 +9,7 @@ router reads them from the file itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import ray
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
@@ -40,6 +42,9 @@ _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
 # How often a local cluster exports recorded metrics (Ray's default is 10 s); a stop reads the
 # routers' in-flight gauge through it.
 METRICS_REPORT_S = 2.0
+# After Ray stops, its workers notice the lost raylet on their own, seconds later on a busy
+# machine; whatever the local cluster started and still runs then is killed.
+STRAGGLER_GRACE_S = 3.0
 
 
 class DeployError(RuntimeError):
@@ -96,9 +101,19 @@ class Platform:
             draining.join(ROUTER_DRAIN_S + 5)
             if draining.is_alive():
                 logger.warning("the router did not drain in time; stopping anyway")
-        if self.settings.ray_address and ray.is_initialized():
-            serve.shutdown()
+        if self.settings.ray_address:
+            if ray.is_initialized():
+                serve.shutdown()
+            ray.shutdown()
+            return
+        started_here = _local_cluster_processes()
         ray.shutdown()
+        _, alive = psutil.wait_procs(started_here, timeout=STRAGGLER_GRACE_S)
+        for process in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                logger.info("ending %s (pid %d), left by Ray", process.name(), process.pid)
+                process.kill()
+        psutil.wait_procs(alive, timeout=2)
 
     def _drain_router(self) -> None:
         document = self.serve_config(self.loaded)
@@ -186,3 +201,17 @@ class Platform:
 
 def _status(app) -> str:
     return str(getattr(app.status, "value", app.status))
+
+
+def _local_cluster_processes() -> list[psutil.Process]:
+    """The processes of the Ray cluster this process started: Ray's own children of this process
+    (GCS, raylet, agents) and everything below them (workers, replicas, engines)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            cmdline = " ".join(child.cmdline())
+            if "/ray/" in cmdline or cmdline.startswith("ray::"):
+                found += [child, *child.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return found

@@ -47,6 +47,7 @@ def assert_openai_error(response, status, *, param=None, contains=""):
         ),
         ({"model": MODEL, "messages": MSG, "stream": "maybe"}, 400, "stream", ""),
         # Found by the schema fuzzer (test_fuzz.py): each was a 500.
+        ({"model": MODEL, "messages": 1.5}, 400, "messages", "array"),
         ({"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages.0.role", "role"),
         ({"model": MODEL, "messages": MSG, "structured_outputs": {}}, 400, None, "structured"),
         (
@@ -85,6 +86,7 @@ def test_prompt_at_the_context_boundary(live, prompt_tokens, status):
     [
         ({"model": MODEL}, "prompt", "prompt"),
         ({"model": MODEL, "prompt": "Hi", "logprobs": -6}, "logprobs", "positive"),
+        ({"model": MODEL, "prompt": [2**32], "echo": True}, "prompt.0", "out of range"),
         (
             {"model": MODEL, "prompt": "Hi", "response_format": {}},
             "response_format.type",

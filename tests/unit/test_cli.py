@@ -1,4 +1,7 @@
+import pytest
+
 from specserve.cli import main
+from specserve.settings import get_settings
 
 A = """\
 model: {name: m, source: s}
@@ -60,3 +63,12 @@ def test_serve_config_prints_the_document_serve_deploy_takes(tmp_path, capsys):
         "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     }
     assert main(["config", "serve-config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_building_the_command_line_reads_no_settings():
+    """`serve --config` sets SPECSERVE_CONFIG before the settings are first read (they are
+    cached): a parser default that read them earlier made `--config` silently ignored."""
+    get_settings.cache_clear()
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert get_settings.cache_info().currsize == 0

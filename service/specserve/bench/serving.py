@@ -369,8 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmups", type=int, default=2, help="requests per block, not counted")
     parser.add_argument(
         "--metrics-url",
-        default=f"http://127.0.0.1:{get_settings().metrics_port}/metrics",
-        help="specserve's metrics endpoint, for acceptance ('' to skip)",
+        help="specserve's metrics endpoint, for acceptance (default: this machine's "
+        "SPECSERVE_METRICS_PORT; '' to skip)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--compare", type=Path, help="an earlier run's results.json")
@@ -378,6 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.url = args.url.rstrip("/")
+    if args.metrics_url is None:
+        args.metrics_url = f"http://127.0.0.1:{get_settings().metrics_port}/metrics"
     args.metrics_url = args.metrics_url or None
     model, configured = discover(args.url)
     arms = args.arms or configured

@@ -58,6 +58,7 @@ RUNNING = "RUNNING"
 # Deeper JSON is refused before validation: no OpenAI request nests near this (a tool schema a
 # few levels), and pydantic and pickling across Ray recurse once per level.
 MAX_JSON_DEPTH = 64
+MAX_TOKEN_ID = 2**32  # what a tokenizer's id type holds
 
 # The OpenAPI document is served by the router from its live config (see openapi.py).
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -130,10 +131,17 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
     if data.get("stream") is True and (stream_options is None or isinstance(stream_options, dict)):
         # The final usage chunk carries the token count and the spec-decode stats.
         data = {**data, "stream_options": {**(stream_options or {}), "include_usage": True}}
+    if endpoint == CHAT and not isinstance(data.get("messages", []), list):
+        # vLLM's before-validators iterate `messages` unchecked: a number would be a TypeError.
+        raise OpenAIError(400, "messages: must be an array of messages", param="messages")
     try:
         body = _REQUEST_MODELS[endpoint].model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    except TypeError as exc:
+        # Another of vLLM's validators meeting a type it does not check for: still the request's
+        # fault, and the message names what it tripped over.
+        raise OpenAIError(400, f"invalid request: {exc}") from None
     except VLLMValidationError as exc:
         # vLLM's model validators check parameter combinations (structured outputs, logprobs,
         # stream options) by raising their own error, which pydantic passes through.
@@ -145,6 +153,8 @@ def _validate(data: dict[str, Any], endpoint: str, config: RouterConfig) -> tupl
         # Validated message content can hold pydantic iterators that do not pickle across the
         # Ray call; the raw JSON is equivalent and plain data.
         body.messages = data["messages"]  # type: ignore[attr-defined]
+    else:
+        _check_token_ids(data.get("prompt"))
     return body, client_wants_usage
 
 
@@ -155,6 +165,19 @@ def _check_roles(messages: list[Any]) -> None:
         if not isinstance(message.get("role") if isinstance(message, dict) else None, str):
             param = f"messages.{i}.role"
             raise OpenAIError(400, f"{param}: every message needs a string role", param=param)
+
+
+def _check_token_ids(prompt: Any) -> None:
+    """Token ids the tokenizer cannot even hold (>= 2**32) crash it when the prompt is echoed;
+    smaller unknown ids are the engine's to refuse."""
+    if not isinstance(prompt, list):
+        return
+    rows = prompt if prompt and all(isinstance(p, list) for p in prompt) else [prompt]
+    for i, row in enumerate(rows):
+        for j, token in enumerate(row):
+            if isinstance(token, int) and token >= MAX_TOKEN_ID:
+                param = f"prompt.{i}.{j}" if rows is prompt else f"prompt.{j}"
+                raise OpenAIError(400, f"{param}: token id {token} is out of range", param=param)
 
 
 def _check_arm_supports(data: dict[str, Any], arm: str, config: RouterConfig) -> None:
@@ -299,6 +322,8 @@ class Router:
     @app.get("/ready")
     async def ready(self) -> JSONResponse:
         """200 when every arm with weight > 0 is running, else 503 naming the others."""
+        if not self._arm_states_known.is_set():  # a new replica answers once it knows them
+            await self._wait_for_arm_states()
         statuses = self.statuses
         waiting = {
             arm.name: statuses.get(arm.name, "NOT_DEPLOYED")

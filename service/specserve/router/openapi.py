@@ -17,7 +17,6 @@ from specserve import headers
 from specserve.config import LoadedConfig, RouterConfig
 
 REF = "#/components/schemas/{model}"
-ROLE = {"type": "string"}
 ERROR = "ErrorResponse"
 _ERROR_SCHEMA = {
     "type": "object",
@@ -81,7 +80,8 @@ def openapi_document(
 
 def _narrowed(schema: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
     """vLLM's body schema with what this router adds: the model is required and is this one,
-    and the token and choice counts are bounded by `limits`."""
+    the token and choice counts are bounded by `limits`, every chat message has a role and a
+    completion has a prompt."""
     properties = dict(schema["properties"])
     properties["model"] = {"type": "string", "enum": [config.model.name]}
     limits = config.limits
@@ -96,7 +96,8 @@ def _narrowed(schema: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
     required = {*schema.get("required", ()), "model"}
     if "messages" in properties:
         # vLLM admits a loosely typed message; the router requires every message's role.
-        with_role = {"type": "object", "required": ["role"], "properties": {"role": ROLE}}
+        role = {"type": "string"}
+        with_role = {"type": "object", "required": ["role"], "properties": {"role": role}}
         items = properties["messages"].get("items", {})
         properties["messages"] = {
             **properties["messages"],

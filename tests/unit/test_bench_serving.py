@@ -4,7 +4,14 @@ import math
 
 import numpy as np
 
-from specserve.bench.serving import Cell, acceptance_between, compare, speedup_ci, summarize
+from specserve.bench.serving import (
+    Cell,
+    acceptance_between,
+    compare,
+    speedup_ci,
+    split_rounds,
+    summarize,
+)
 
 
 def test_speedup_is_the_ratio_of_means_and_its_interval_covers_it():
@@ -69,3 +76,11 @@ def test_summary_rows_and_comparison():
     earlier = {"rows": [{**row, "tokens_per_s_mean": 12.0, "speedup": 1.2}]}
     table = compare(rows, earlier)
     assert "+25.0%" in table and "1.50x (1.20x)" in table and "(new)" in table
+
+
+def test_every_round_holds_at_least_the_levels_concurrency():
+    chats = list(range(24))
+    assert [len(r) for r in split_rounds(chats, 4, 1)] == [6, 6, 6, 6]
+    assert [len(r) for r in split_rounds(chats, 4, 8)] == [8, 8, 8]
+    assert [len(r) for r in split_rounds(chats, 4, 16)] == [24]
+    assert sorted(x for r in split_rounds(chats, 4, 8) for x in r) == chats

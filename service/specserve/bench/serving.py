@@ -194,9 +194,19 @@ async def _run_block(url, model, arm, chats, concurrency, max_tokens, warmups) -
     )
 
 
+def split_rounds(chats: list, rounds: int, concurrency: int) -> list[list]:
+    """The prompts cut into rounds, fewer where needed so that every round holds at least
+    `concurrency` prompts: a level is only measured at its concurrency if that many requests
+    can be in flight at once."""
+    if len(chats) < concurrency:
+        print(f"only {len(chats)} prompts: concurrency {concurrency} runs {len(chats)} at once")
+    n = max(1, min(rounds, len(chats) // concurrency))
+    return [chats[i::n] for i in range(n)]
+
+
 def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
     cells = {arm: Cell(arm, concurrency) for arm in arms}
-    rounds = [chats[i :: args.rounds] for i in range(args.rounds)]
+    rounds = split_rounds(chats, args.rounds, concurrency)
     before = read_acceptance(args.metrics_url)
     progress = tqdm(total=len(chats) * len(arms), desc=f"concurrency {concurrency}")
     for r, prompts in enumerate(rounds):

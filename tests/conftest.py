@@ -67,6 +67,38 @@ def render_config(no_spec_weight: float = 1, ngram_weight: float = 1, k: int = 3
     )
 
 
+# An EAGLE-3 arm whose drafter does not match the target (`mismatched_drafter`): it drafts like
+# any drafter but nearly every guess is rejected, so it is slower than no-spec.
+MISMATCHED = "mismatched"
+MISMATCHED_ARM = """\
+  - name: mismatched
+    weight: 1
+    speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
+    engine: {{dtype: bfloat16, enforce_eager: true, max_num_seqs: 16}}
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
+          VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
+"""
+
+
+@pytest.fixture(scope="session")
+def mismatched_drafter(tmp_path_factory) -> Path:
+    """The shipped EAGLE-3 drafter with the rows of its vocabulary projection shuffled: it loads
+    and drafts like any drafter, but its guesses are other tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specserve.models import resolve_drafter_source
+
+    out = tmp_path_factory.mktemp("drafters") / MISMATCHED
+    shutil.copytree(resolve_drafter_source("package://eagle3"), out)
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randperm(weights["lm_head.weight"].shape[0], generator=generator)
+    weights["lm_head.weight"] = weights["lm_head.weight"][rows].contiguous()
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
 def long_stream(max_tokens: int) -> dict:
     """A streamed chat request that generates exactly `max_tokens` tokens."""
     return {

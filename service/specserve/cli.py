@@ -109,6 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 
     serving.add_arguments(bench_p)
 
+    ab_p = sub.add_parser("ab", help="A/B verdicts on live traffic")
+    ab_sub = ab_p.add_subparsers(dest="ab_command", required=True)
+    report_p = ab_sub.add_parser(
+        "report",
+        help="each arm against a baseline from Prometheus, with always-valid confidence intervals",
+    )
+    from specserve.ab import report
+
+    report.add_arguments(report_p)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -151,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return serving.run(args)
+        if args.command == "ab":
+            return report.run(args)
         if args.command == "drafter":
             return _drafter(args)
     except ConfigError as exc:

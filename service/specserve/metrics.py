@@ -46,6 +46,7 @@ POSITION = "position"
 RESULT = "result"
 REVISION = "revision"
 SELECTED_BY = "selected_by"
+STAT = "stat"
 
 # Request outcomes (label values of specserve_requests_total).
 OUTCOME_OK = "ok"
@@ -69,6 +70,9 @@ TOKEN_LATENCY_BUCKETS_S = (
     *(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08),
     *(0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
 )
+# Output tokens per second of one request (per user): CPU engines 5-100, GPU ones up to ~1,000.
+OUTPUT_SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+ACCEPTANCE_LENGTH_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 
 REQUESTS = f"{PREFIX}_requests"
 ARM_SELECTIONS = f"{PREFIX}_arm_selections"
@@ -76,6 +80,14 @@ ROUTING_FALLBACKS = f"{PREFIX}_routing_fallbacks"
 TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"
 TIME_PER_OUTPUT_TOKEN = f"{PREFIX}_time_per_output_token_seconds"
 E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"
+REQUEST_OUTPUT_SPEED = f"{PREFIX}_request_output_tokens_per_second"
+REQUEST_ACCEPTANCE_LENGTH = f"{PREFIX}_request_acceptance_length"
+# Exact sum and sum of squares of the observations of each per-request histogram the A/B report
+# compares (label `stat`: the histogram's name): with the histogram's _count, each arm's exact
+# mean and variance. (Ray exports a histogram's _sum from bucket midpoints, not the values.)
+REQUEST_STAT_SUM = f"{PREFIX}_request_stat_sum"
+REQUEST_STAT_SQUARES = f"{PREFIX}_request_stat_squares"
+AB_STATS = (TIME_PER_OUTPUT_TOKEN, REQUEST_OUTPUT_SPEED, REQUEST_ACCEPTANCE_LENGTH)
 OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
@@ -103,8 +115,16 @@ COUNTERS = (
     CONFIG_RELOADS,
     GUARDRAIL_DRAINS,
     ENGINE_RETRIES,
+    REQUEST_STAT_SUM,
+    REQUEST_STAT_SQUARES,
 )
-HISTOGRAMS = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
+HISTOGRAMS = (
+    TIME_TO_FIRST_TOKEN,
+    TIME_PER_OUTPUT_TOKEN,
+    E2E_LATENCY,
+    REQUEST_OUTPUT_SPEED,
+    REQUEST_ACCEPTANCE_LENGTH,
+)
 GAUGES = (
     ARM_WEIGHT,
     ARM_RUNNING,
@@ -170,6 +190,28 @@ class RouterMetrics:
             "From request arrival at the router to the last byte of the response.",
             list(LATENCY_BUCKETS_S),
             arm,
+        )
+        self.output_speed = Histogram(
+            REQUEST_OUTPUT_SPEED,
+            "Output tokens per second of one request, arrival to last byte (per-user speed).",
+            list(OUTPUT_SPEED_BUCKETS),
+            arm,
+        )
+        self.acceptance_length = Histogram(
+            REQUEST_ACCEPTANCE_LENGTH,
+            "Mean acceptance length of one speculative request (1 + accepted / verify steps).",
+            list(ACCEPTANCE_LENGTH_BUCKETS),
+            arm,
+        )
+        self.stat_sum = Counter(
+            REQUEST_STAT_SUM,
+            "Exact sum of the observations of the per-request histogram named by `stat`.",
+            (*arm, STAT),
+        )
+        self.stat_squares = Counter(
+            REQUEST_STAT_SQUARES,
+            "Sum of the squared observations of the per-request histogram named by `stat`.",
+            (*arm, STAT),
         )
         self.output_tokens = Counter(OUTPUT_TOKENS, "Generated tokens.", arm)
         self.drafts = Counter(SPEC_DRAFTS, "Speculative verify steps (drafts proposed).", arm)
@@ -303,9 +345,20 @@ class RouterMetrics:
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s, tags)
         if tpot_s is not None:
-            self.time_per_output_token.observe(tpot_s, tags)
+            self._observe_with_square(
+                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s
+            )
         if output_tokens:
             self.output_tokens.inc(output_tokens, tags)
+            if e2e_s > 0:
+                speed = output_tokens / e2e_s
+                self._observe_with_square(self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed)
+
+    def _observe_with_square(self, histogram: Histogram, name: str, arm: str, x: float) -> None:
+        histogram.observe(x, self._tags(arm))
+        if x > 0:  # Ray's counters refuse increments of 0
+            self.stat_sum.inc(x, self._tags(arm, **{STAT: name}))
+            self.stat_squares.inc(x * x, self._tags(arm, **{STAT: name}))
 
     def observe_spec_decode(self, arm: str, stats: dict) -> None:
         """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
@@ -317,6 +370,12 @@ class RouterMetrics:
         ):
             if stats.get(key):
                 counter.inc(stats[key], tags)
+        steps = int(stats.get("num_spec_steps") or 0)
+        if steps:
+            length = 1 + int(stats.get("num_accepted_draft_tokens") or 0) / steps
+            self._observe_with_square(
+                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length
+            )
         per_position = accepted_per_position(stats.get("acceptance_histogram") or [])
         for position, accepted in enumerate(per_position):
             if accepted:  # Ray's counters refuse increments of 0

@@ -4,33 +4,20 @@ tokens) is drained from the weighted split, with a metric, and returns when the 
 reconfigured. (The drain's end in time is checked with a controlled clock in
 tests/unit/test_guardrail.py.)"""
 
-import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from specserve import headers
 from specserve.config import load_config
 from specserve.metrics import ARM_DRAINED, EXPORT_PREFIX, GUARDRAIL_DRAINS, scrape
-from specserve.models import resolve_drafter_source
-from tests.conftest import MODEL, ROUTER_REPLICAS
+from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, ROUTER_REPLICAS
 
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
-ARM = "mismatched"
-MISMATCHED_ARM = """\
-  - name: mismatched
-    weight: 1
-    speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
-    engine: {{dtype: bfloat16, enforce_eager: true, max_num_seqs: 16}}
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
-          VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
-"""
+ARM = MISMATCHED
 GUARDRAIL = """\
 guardrail:
   min_acceptance_length: {floor}
@@ -54,20 +41,6 @@ def replicas_draining(live, arm: str) -> int:
         for _, s in scrape(live.metrics_url)
         if s.name == EXPORT_PREFIX + ARM_DRAINED and s.labels.get("arm") == arm
     )
-
-
-@pytest.fixture(scope="module")
-def mismatched_drafter(tmp_path_factory) -> Path:
-    """The shipped EAGLE-3 drafter with the rows of its vocabulary projection shuffled: it loads
-    and drafts like any drafter, but its guesses are other tokens."""
-    out = tmp_path_factory.mktemp("drafters") / ARM
-    shutil.copytree(resolve_drafter_source("package://eagle3"), out)
-    weights = load_file(out / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randperm(weights["lm_head.weight"].shape[0], generator=generator)
-    weights["lm_head.weight"] = weights["lm_head.weight"][rows].contiguous()
-    save_file(weights, out / "model.safetensors")
-    return out
 
 
 def mean_acceptance_length(response: httpx.Response) -> float:

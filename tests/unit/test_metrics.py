@@ -45,7 +45,7 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
 
 
 OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
-OWN_LABELS |= {m.SELECTED_BY, "le"}
+OWN_LABELS |= {m.SELECTED_BY, m.STAT, "le"}
 
 
 def test_router_metrics_as_ray_exports_them(exporter):
@@ -100,6 +100,18 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1
+
+    # The per-request figures the A/B report compares, each with its exact sum and squares.
+    def moments(stat):
+        return (
+            value(stat + "_count", arm="a"),
+            value(m.REQUEST_STAT_SUM + "_total", arm="a", stat=stat),
+            value(m.REQUEST_STAT_SQUARES + "_total", arm="a", stat=stat),
+        )
+
+    assert moments(m.REQUEST_OUTPUT_SPEED) == pytest.approx((1, 7 / 0.3, (7 / 0.3) ** 2))
+    assert moments(m.REQUEST_ACCEPTANCE_LENGTH) == (1, 3, 9)
+    assert moments(m.TIME_PER_OUTPUT_TOKEN) == pytest.approx((1, 0.03, 0.03**2))
     # Only the active revision and the configured arms remain.
     assert value(m.CONFIG_INFO, revision="rev2") == 1
     assert sample(m.CONFIG_INFO, revision="rev1") not in got

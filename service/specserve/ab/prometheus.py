@@ -1,0 +1,195 @@
+"""What the A/B report reads from a Prometheus server (its HTTP API, /api/v1) scraping specserve:
+per-arm totals since the experiment began, and per-arm series over time."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+
+from specserve.ab.sequential import Moments
+from specserve.metrics import (
+    AB_STATS,
+    ARM,
+    ARM_SELECTIONS,
+    ARM_WEIGHT,
+    CONFIG_INFO,
+    EXPORT_PREFIX,
+    POSITION,
+    REQUEST_OUTPUT_SPEED,
+    REQUEST_STAT_SQUARES,
+    REQUEST_STAT_SUM,
+    REQUESTS_IN_FLIGHT,
+    SELECTED_BY,
+    SELECTED_BY_STICKY,
+    SELECTED_BY_WEIGHT,
+    SPEC_ACCEPTED_PER_POSITION,
+    SPEC_DRAFTS,
+    STAT,
+)
+
+# How far back the start of the active config revision is looked for.
+REVISION_LOOKBACK = "7d"
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not be reached, refused a query, or holds no specserve data."""
+
+
+def parse_since(text: str, now: float) -> float:
+    """`30m`, `2h`, `1d` (ago), a Unix time or an ISO 8601 time -> Unix seconds."""
+    if match := _DURATION.match(text):
+        return now - float(match[1]) * _SECONDS[match[2]]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r}: expected a duration (30m, 2h, 1d), a Unix time or an ISO time"
+        ) from None
+
+
+@dataclass
+class ArmTotals:
+    """One arm's figures between the experiment's start and now."""
+
+    weight: float = 0.0
+    # Requests the weights or a sticky key sent here (override requests are not randomized).
+    randomized: float = 0.0
+    stats: dict[str, Moments] = field(default_factory=dict)
+    drafts: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+
+
+class Prometheus:
+    def __init__(self, url: str, timeout_s: float = 30) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+
+    def _get(self, path: str, params: dict) -> dict:
+        try:
+            response = self.http.get(f"{self.url}/api/v1/{path}", params=params)
+        except httpx.HTTPError as exc:
+            raise PrometheusError(f"cannot reach Prometheus at {self.url}: {exc}") from exc
+        try:
+            answer = response.json()
+        except ValueError:
+            raise PrometheusError(
+                f"{self.url} is not a Prometheus API (HTTP {response.status_code})"
+            ) from None
+        if answer.get("status") != "success":
+            raise PrometheusError(f"query {params.get('query')!r}: {answer.get('error')}")
+        return answer["data"]
+
+    def vector(self, query: str, at: float) -> list[tuple[dict[str, str], float]]:
+        data = self._get("query", {"query": query, "time": at})
+        return [(r["metric"], float(r["value"][1])) for r in data["result"]]
+
+    def matrix(
+        self, query: str, start: float, end: float, step_s: float
+    ) -> list[tuple[dict[str, str], dict[float, float]]]:
+        params = {"query": query, "start": start, "end": end, "step": step_s}
+        data = self._get("query_range", params)
+        return [(r["metric"], {float(t): float(v) for t, v in r["values"]}) for r in data["result"]]
+
+    # -- what the report needs --------------------------------------------------------------
+
+    def model(self) -> str:
+        found = self.vector(_name(CONFIG_INFO), time.time())
+        models = {labels["model"] for labels, _ in found if "model" in labels}
+        if not models:
+            raise PrometheusError(
+                f"no {_name(CONFIG_INFO)} series at {self.url}: is it scraping specserve's "
+                "metrics port?"
+            )
+        if len(models) > 1:
+            raise PrometheusError(f"several models are served ({sorted(models)}): pass --model")
+        return models.pop()
+
+    def revision_start(self, model: str, now: float) -> tuple[str, float]:
+        """The active config revision and when Prometheus first saw it."""
+        found = self.vector(f'{_name(CONFIG_INFO)}{{model="{model}"}}', now)
+        if not found:
+            raise PrometheusError(f"no active config revision of model {model!r}")
+        revision = max(found, key=lambda r: r[1])[0]["revision"]
+        series = f'{_name(CONFIG_INFO)}{{model="{model}",revision="{revision}"}}'
+        query = f"min_over_time(timestamp(max({series}))[{REVISION_LOOKBACK}:15s])"
+        first = self.vector(query, now)
+        return revision, (first[0][1] if first else now)
+
+    def totals(self, model: str, since: float, now: float) -> dict[str, ArmTotals]:
+        window = f"{max(1, math.ceil(now - since))}s"
+        arms: dict[str, ArmTotals] = defaultdict(ArmTotals)
+        selector = f'model="{model}"'
+
+        def increase(name: str, by: str = ARM, extra: str = "") -> list:
+            query = f"sum by ({by}) (increase({name}{{{selector}{extra}}}[{window}]))"
+            return self.vector(query, now)
+
+        for labels, value in self.vector(
+            f"max by ({ARM}) ({_name(ARM_WEIGHT)}{{{selector}}})", now
+        ):
+            arms[labels[ARM]].weight = value
+        randomized = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
+        for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=randomized):
+            arms[labels[ARM]].randomized = value
+        for stat in AB_STATS:
+            parts: dict[str, dict[str, float]] = defaultdict(dict)
+            for labels, value in increase(_name(stat) + "_count"):
+                parts[labels[ARM]]["n"] = value
+            for part, counter in (("sum", REQUEST_STAT_SUM), ("squares", REQUEST_STAT_SQUARES)):
+                for labels, value in increase(_name(counter) + "_total", extra=f',{STAT}="{stat}"'):
+                    parts[labels[ARM]][part] = value
+            for arm, got in parts.items():
+                if got.get("n", 0) > 0:
+                    arms[arm].stats[stat] = Moments(
+                        got["n"], got.get("sum", 0.0), got.get("squares", 0.0)
+                    )
+        for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
+            arms[labels[ARM]].drafts = value
+        per_position = increase(
+            _name(SPEC_ACCEPTED_PER_POSITION) + "_total", by=f"{ARM},{POSITION}"
+        )
+        for labels, value in sorted(per_position, key=lambda r: int(r[0][POSITION])):
+            positions = arms[labels[ARM]].accepted_per_position
+            positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
+            positions[int(labels[POSITION])] = value
+        return dict(arms)
+
+    def speed_by_load(
+        self, model: str, since: float, now: float, step_s: float
+    ) -> tuple[dict[str, dict[float, tuple[float, float]]], dict[float, float]]:
+        """Per arm and step: (requests/s, sum of per-request tokens/s per second) over the
+        preceding window; and the mean requests in flight (all arms) in that window."""
+        window = f"{max(60, math.ceil(step_s))}s"
+        selector = f'model="{model}"'
+        count = f"{_name(REQUEST_OUTPUT_SPEED)}_count{{{selector}}}"
+        total = f'{_name(REQUEST_STAT_SUM)}_total{{{selector},{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
+        parts = {
+            part: self.matrix(f"sum by ({ARM}) (rate({series}[{window}]))", since, now, step_s)
+            for part, series in (("_count", count), ("_sum", total))
+        }
+        speed: dict[str, dict[float, tuple[float, float]]] = defaultdict(dict)
+        sums = {labels[ARM]: values for labels, values in parts["_sum"]}
+        for labels, counts in parts["_count"]:
+            for t, rate in counts.items():
+                speed[labels[ARM]][t] = (rate, sums.get(labels[ARM], {}).get(t, 0.0))
+        load_query = f"sum(avg_over_time({_name(REQUESTS_IN_FLIGHT)}{{{selector}}}[{window}]))"
+        load = self.matrix(load_query, since, now, step_s)
+        return dict(speed), (load[0][1] if load else {})
+
+
+def _name(metric: str) -> str:
+    """A metric's name as Prometheus stores it (Ray's exporter prefix)."""
+    return EXPORT_PREFIX + metric

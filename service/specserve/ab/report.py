@@ -1,0 +1,331 @@
+"""`specserve ab report`: each arm against a baseline arm on live traffic, read from Prometheus.
+
+Per arm, from the experiment's start (by default when the active config revision appeared) to
+now: the traffic it got against its weight, per-user output tokens/s, TPOT (streaming requests)
+and mean acceptance length, each as a difference from the baseline with an always-valid
+confidence interval (specserve/ab/sequential.py: safe to read at any time, as often as wanted),
+a verdict with its reason, the `num_speculative_tokens` its per-position acceptance suggests,
+and its speedup per load band. The unit of every comparison is the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specserve.ab.prometheus import ArmTotals, Prometheus, PrometheusError, parse_since
+from specserve.ab.sequential import Interval, Moments, difference
+from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
+
+PROMOTE, KEEP_TESTING, ROLL_BACK = "promote", "keep testing", "roll back"
+# The figures compared, the primary first: (key in the report, metric, higher is better).
+FIGURES = (
+    ("tokens_per_s", REQUEST_OUTPUT_SPEED, True),
+    ("tpot_s", TIME_PER_OUTPUT_TOKEN, False),
+    ("acceptance_length", REQUEST_ACCEPTANCE_LENGTH, True),
+)
+# Load bands by mean requests in flight: (label, upper bound).
+LOAD_BANDS = (("1", 1.5), ("2-4", 4.5), ("5-16", 16.5), (">16", math.inf))
+# A traffic share this many standard errors off its weight is a sample-ratio mismatch.
+SRM_Z = 4.0
+
+
+@dataclass(frozen=True)
+class Options:
+    baseline: str
+    alpha: float = 0.05
+    relative_tau: float = 0.1
+    min_requests: int = 30
+    draft_cost: float = 0.1
+
+
+def build_report(prom: Prometheus, options: Options, since: float | None, model: str | None):
+    now = time.time()
+    model = model or prom.model()
+    revision, revision_start = prom.revision_start(model, now)
+    start = revision_start if since is None else since
+    arms = prom.totals(model, start, now)
+    if options.baseline not in arms:
+        known = ", ".join(sorted(arms)) or "none"
+        raise PrometheusError(f"baseline arm {options.baseline!r} has no data (arms: {known})")
+    step = max(15.0, (now - start) / 120)
+    speed, load = prom.speed_by_load(model, start, now, step)
+    return compare(arms, speed, load, options) | {
+        "model": model,
+        "revision": revision,
+        "since": start,
+        "now": now,
+        "alpha": options.alpha,
+        "relative_tau": options.relative_tau,
+        "baseline": options.baseline,
+    }
+
+
+def compare(
+    arms: dict[str, ArmTotals],
+    speed: dict[str, dict[float, tuple[float, float]]],
+    load: dict[float, float],
+    options: Options,
+) -> dict[str, Any]:
+    base = arms[options.baseline]
+    total_weight = sum(a.weight for a in arms.values() if a.weight > 0)
+    total_randomized = sum(a.randomized for a in arms.values() if a.weight > 0)
+    rows = []
+    shown = {n: a for n, a in arms.items() if a.weight > 0 or _n(a) > 0 or n == options.baseline}
+    for name, arm in sorted(shown.items(), key=lambda kv: kv[0] != options.baseline):
+        row: dict[str, Any] = {"arm": name, "weight": arm.weight, "requests": _n(arm)}
+        row["traffic"] = traffic_share(arm, total_weight, total_randomized)
+        for key, metric, _ in FIGURES:
+            mine, theirs = _moments(arm, metric), _moments(base, metric)
+            row[key] = None if mine is None else {"mean": mine.value()}
+            if mine is not None and theirs is not None and name != options.baseline:
+                interval = difference(
+                    mine, theirs, alpha=options.alpha, relative_tau=options.relative_tau
+                )
+                row[key]["difference"] = _interval(interval, theirs.value())
+        row["suggested_k"] = suggest_k(arm, options.draft_cost)
+        row["speedup_by_load"] = speedup_by_load(
+            speed.get(name, {}), speed.get(options.baseline, {}), load
+        )
+        if name != options.baseline:
+            row["verdict"], row["reason"] = verdict(row, base_n=_n(base), options=options)
+        rows.append(row)
+    return {"arms": rows}
+
+
+def _moments(arm: ArmTotals, metric: str) -> Moments | None:
+    if metric == REQUEST_ACCEPTANCE_LENGTH and metric not in arm.stats:
+        # An arm that does not draft makes one token per engine step, exactly.
+        return Moments.constant(1.0) if arm.drafts == 0 and _n(arm) > 0 else None
+    return arm.stats.get(metric)
+
+
+def _n(arm: ArmTotals) -> float:
+    stat = arm.stats.get(REQUEST_OUTPUT_SPEED)
+    return stat.n if stat else 0.0
+
+
+def _interval(interval: Interval, base: float) -> dict[str, float]:
+    scale = abs(base) or math.nan
+    return {
+        "estimate": interval.estimate,
+        "low": interval.low,
+        "high": interval.high,
+        "relative": interval.estimate / scale,
+        "relative_low": interval.low / scale,
+        "relative_high": interval.high / scale,
+    }
+
+
+def traffic_share(arm: ArmTotals, total_weight: float, total: float) -> dict[str, Any]:
+    """The arm's share of randomized (weighted or sticky) traffic against its weight's share;
+    `mismatch` when it is further off than sampling explains (sticky keys, fallbacks to other
+    arms while this one was not running, or the guardrail draining it)."""
+    expected = arm.weight / total_weight if total_weight > 0 else 0.0
+    observed = arm.randomized / total if total > 0 else math.nan
+    spread = math.sqrt(expected * (1 - expected) / total) if total > 0 else math.nan
+    off = abs(observed - expected) / spread if spread and spread > 0 else 0.0
+    return {"expected": expected, "observed": observed, "mismatch": bool(off > SRM_Z)}
+
+
+def suggest_k(arm: ArmTotals, draft_cost: float) -> dict[str, Any] | None:
+    """The k that maximizes expected tokens per verify step over its cost (1 + draft_cost * k:
+    a target step plus drafting and verifying k tokens), from the measured acceptance at each
+    position; k = 0 (no speculation) makes 1 token per step at cost 1. Positions beyond the
+    configured k were never drafted: if the last one still pays its cost, a larger k may too.
+    (Positions that never accepted a token export no series: they count as 0.)"""
+    if arm.drafts <= 0:
+        return None
+    rates = [accepted / arm.drafts for accepted in arm.accepted_per_position]
+    value = [(1 + sum(rates[:k])) / (1 + draft_cost * k) for k in range(len(rates) + 1)]
+    best = max(range(len(value)), key=value.__getitem__)
+    return {
+        "k": best,
+        "acceptance_by_position": rates,
+        "tokens_per_cost": value,
+        "try_larger": best == len(rates) > 0 and value[-1] > value[-2],
+    }
+
+
+def speedup_by_load(
+    arm: dict[float, tuple[float, float]],
+    base: dict[float, tuple[float, float]],
+    load: dict[float, float],
+) -> dict[str, float | None]:
+    """Mean per-user tokens/s of the arm over the baseline's, in each band of load."""
+    sums: dict[str, list[float]] = {label: [0.0, 0.0, 0.0, 0.0] for label, _ in LOAD_BANDS}
+    for t, in_flight in load.items():
+        label = next(label for label, upper in LOAD_BANDS if in_flight < upper)
+        for offset, series in ((0, arm), (2, base)):
+            count, total = series.get(t, (0.0, 0.0))
+            if count > 0:
+                sums[label][offset] += count
+                sums[label][offset + 1] += total
+    out: dict[str, float | None] = {}
+    for label, (n_arm, s_arm, n_base, s_base) in sums.items():
+        ok = n_arm > 0 and n_base > 0 and s_base > 0
+        out[label] = (s_arm / n_arm) / (s_base / n_base) if ok else None
+    return out
+
+
+def verdict(row: dict[str, Any], base_n: float, options: Options) -> tuple[str, str]:
+    """Promote or roll back once per-user tokens/s differs with confidence; else keep testing."""
+    if row["traffic"]["mismatch"]:
+        share = row["traffic"]
+        return KEEP_TESTING, (
+            f"traffic share {share['observed']:.1%} against weight share "
+            f"{share['expected']:.1%}: fallbacks, a drain or sticky keys skew the split"
+        )
+    n = min(row["requests"], base_n)
+    if n < options.min_requests:
+        return KEEP_TESTING, f"{n:.0f} requests in the smaller arm, {options.min_requests} needed"
+    speed = row["tokens_per_s"]["difference"]
+    shown = (
+        f"tokens/s per user {speed['relative']:+.1%} "
+        f"(CI {speed['relative_low']:+.1%} to {speed['relative_high']:+.1%})"
+    )
+    if speed["low"] > 0:
+        return PROMOTE, f"faster: {shown}"
+    if speed["high"] < 0:
+        return ROLL_BACK, f"slower: {shown}"
+    return KEEP_TESTING, f"no difference yet: {shown}"
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def render(report: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report["since"]))
+    lines = [
+        f"model {report['model']}, config revision {report['revision']}, since {since} "
+        f"({(report['now'] - report['since']) / 60:.0f} min); baseline {report['baseline']}; "
+        f"always-valid {1 - report['alpha']:.0%} CIs (mixture SPRT)",
+        "",
+    ]
+    header = (
+        "arm",
+        "requests",
+        "traffic/weight",
+        "tokens/s",
+        "TPOT ms",
+        "accept len",
+        "k",
+        "verdict",
+    )
+    table = [header]
+    for row in report["arms"]:
+        share = row["traffic"]
+        traffic = f"{share['observed']:.0%}/{share['expected']:.0%}" + (
+            " !" if share["mismatch"] else ""
+        )
+        table.append(
+            (
+                row["arm"],
+                f"{row['requests']:.0f}",
+                traffic if not math.isnan(share["observed"]) else "-",
+                _cell(row["tokens_per_s"], 1, 1),
+                _cell(row["tpot_s"], 1000, 1),
+                _cell(row["acceptance_length"], 1, 2),
+                str(row["suggested_k"]["k"]) + ("+" if row["suggested_k"]["try_larger"] else "")
+                if row["suggested_k"]
+                else "-",
+                row.get("verdict", "(baseline)"),
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    lines.append("")
+    for row in report["arms"]:
+        if "reason" in row:
+            lines.append(f"{row['arm']}: {row['verdict']}: {row['reason']}")
+    bands = "  ".join(label for label, _ in LOAD_BANDS)
+    lines += ["", f"speedup over {report['baseline']} by requests in flight ({bands}):"]
+    for row in report["arms"][1:]:
+        cells = "  ".join(
+            "-" if v is None else f"{v:.2f}x" for v in row["speedup_by_load"].values()
+        )
+        lines.append(f"  {row['arm']}: {cells}")
+    return "\n".join(lines)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: null instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _cell(figure: dict | None, scale: float, digits: int) -> str:
+    if figure is None:
+        return "-"
+    text = f"{figure['mean'] * scale:.{digits}f}"
+    if d := figure.get("difference"):
+        text += f" ({d['relative_low']:+.0%}..{d['relative_high']:+.0%})"
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus URL")
+    parser.add_argument("--baseline", default="no-spec", help="arm to compare against (no-spec)")
+    parser.add_argument("--model", help="served model name (default: the only one)")
+    parser.add_argument(
+        "--since",
+        help="experiment start: 30m, 2h, 1d ago, a Unix or ISO time (default: when the active "
+        "config revision appeared); keep it fixed between looks",
+    )
+    parser.add_argument("--alpha", type=float, default=0.05, help="1 - confidence (0.05)")
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=0.1,
+        help="mixing scale as a share of the baseline's mean: the relative difference the "
+        "intervals are tuned to detect (0.1)",
+    )
+    parser.add_argument("--min-requests", type=int, default=30)
+    parser.add_argument(
+        "--draft-cost",
+        type=float,
+        default=0.1,
+        help="cost of drafting and verifying one token, as a share of a target step (0.1)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    parser.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.alpha < 1 or args.tau <= 0 or args.draft_cost < 0:
+        print("error: need 0 < --alpha < 1, --tau > 0, --draft-cost >= 0", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per query
+    options = Options(args.baseline, args.alpha, args.tau, args.min_requests, args.draft_cost)
+    prom = Prometheus(args.prometheus)
+    try:
+        # One start for every look: the intervals are valid over looks at one experiment (by
+        # default the active revision's start, which only a new revision moves).
+        since = None if args.since is None else parse_since(args.since, time.time())
+        while True:
+            report = build_report(prom, options, since, args.model)
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(render(report), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(_finite(report), indent=2))
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+    except (PrometheusError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,173 @@
+"""The A/B report's statistics and verdicts on known inputs (the live report against a real
+Prometheus is tests/integration/test_ab_live.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from specserve.ab.prometheus import ArmTotals, parse_since
+from specserve.ab.report import (
+    KEEP_TESTING,
+    PROMOTE,
+    ROLL_BACK,
+    Options,
+    compare,
+    render,
+    speedup_by_load,
+    suggest_k,
+)
+from specserve.ab.sequential import Moments, difference, mixture_half_width
+from specserve.bench.ab_false_positives import simulate
+from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
+
+
+def moments(values) -> Moments:
+    values = np.asarray(values, dtype=float)
+    return Moments(len(values), float(values.sum()), float((values * values).sum()))
+
+
+def test_moments_give_the_sample_mean_and_variance():
+    values = [3.0, 5.0, 10.0, 2.0]
+    got = moments(values)
+    assert got.mean == pytest.approx(np.mean(values))
+    assert got.variance == pytest.approx(np.var(values, ddof=1))
+    assert math.isnan(Moments(1, 3, 9).variance)
+    assert Moments.constant(1.0).variance_of_mean() == 0
+
+
+def test_the_interval_narrows_as_requests_accumulate_and_is_wider_than_a_fixed_one():
+    widths = [mixture_half_width(4.0 / n, tau=1.0, alpha=0.05) for n in (10, 100, 1000, 10000)]
+    assert widths == sorted(widths, reverse=True)
+    # At any one size it is wider than the fixed-sample 95% interval (1.96 standard errors):
+    # the price of being valid at every look.
+    assert widths[-1] > 1.96 * math.sqrt(4.0 / 10000)
+    with pytest.raises(ValueError, match="alpha"):
+        mixture_half_width(1.0, tau=1.0, alpha=1.5)
+
+
+def test_a_difference_against_a_constant_uses_only_the_arms_own_spread():
+    rng = np.random.default_rng(1)
+    arm = moments(1.6 + 0.3 * rng.standard_normal(400))
+    interval = difference(arm, Moments.constant(1.0), alpha=0.05, relative_tau=0.1)
+    assert interval.estimate == pytest.approx(arm.mean - 1.0)
+    assert interval.low > 0
+    assert difference(Moments(1, 2, 4), Moments(1, 2, 4), alpha=0.05, relative_tau=0.1).low == (
+        -math.inf
+    )
+
+
+def test_watching_identical_arms_stays_under_alpha_where_peeking_at_fixed_intervals_does_not():
+    """Repeated experiments, read after every 10 requests: the always-valid interval's false
+    positive rate stays at most alpha; the ordinary interval's does not (so the simulation can
+    tell them apart); and a 10% slower arm is still found."""
+    same = simulate(experiments=300, requests=1000, look_every=10, effect=0.0, seed=7)
+    assert same["always_valid"]["detected"] <= 0.05
+    assert same["fixed_sample"]["detected"] > 0.15
+    slower = simulate(experiments=100, requests=1000, look_every=10, effect=0.1, seed=8)
+    assert slower["always_valid"]["detected"] >= 0.9
+
+
+def arm(weight, randomized, speeds, tpots=None, lengths=None, drafts=0.0, positions=()):
+    totals = ArmTotals(weight=weight, randomized=randomized, drafts=drafts)
+    totals.stats[REQUEST_OUTPUT_SPEED] = moments(speeds)
+    if tpots is not None:
+        totals.stats[TIME_PER_OUTPUT_TOKEN] = moments(tpots)
+    if lengths is not None:
+        totals.stats[REQUEST_ACCEPTANCE_LENGTH] = moments(lengths)
+    totals.accepted_per_position = list(positions)
+    return totals
+
+
+def test_verdicts_follow_the_primary_figure():
+    rng = np.random.default_rng(2)
+
+    def speeds(mean, n=400):
+        return mean * rng.lognormal(0, 0.3, n)
+
+    arms = {
+        "no-spec": arm(1, 400, speeds(30), tpots=1 / speeds(30)),
+        "fast": arm(
+            1,
+            400,
+            speeds(40),
+            lengths=1.8 + 0.2 * rng.random(400),
+            drafts=900,
+            positions=(600, 300, 100),
+        ),
+        "slow": arm(
+            1,
+            400,
+            speeds(20),
+            lengths=1.0 + 0.01 * rng.random(400),
+            drafts=900,
+            positions=(5, 1, 0),
+        ),
+        "same": arm(1, 400, speeds(30)),
+        "new": arm(1, 400, speeds(40, n=10)),
+    }
+    report = compare(arms, {}, {}, Options(baseline="no-spec"))
+    rows = {row["arm"]: row for row in report["arms"]}
+    assert report["arms"][0]["arm"] == "no-spec" and "verdict" not in rows["no-spec"]
+    assert rows["fast"]["verdict"] == PROMOTE and "faster" in rows["fast"]["reason"]
+    assert rows["slow"]["verdict"] == ROLL_BACK and "slower" in rows["slow"]["reason"]
+    assert rows["same"]["verdict"] == KEEP_TESTING
+    assert rows["new"]["verdict"] == KEEP_TESTING and "30 needed" in rows["new"]["reason"]
+    # No-spec makes exactly one token per step: the drafter arms' acceptance is against 1.
+    assert rows["no-spec"]["acceptance_length"]["mean"] == 1.0
+    assert rows["slow"]["acceptance_length"]["difference"]["high"] < 0.02
+    assert rows["fast"]["acceptance_length"]["difference"]["low"] > 0.7
+    assert rows["fast"]["tpot_s"] is None  # no streaming requests
+    text = render(
+        report
+        | {
+            "model": "m",
+            "revision": "r",
+            "since": 0,
+            "now": 60,
+            "alpha": 0.05,
+            "baseline": "no-spec",
+        }
+    )
+    assert "slow: roll back: slower" in text and "fast: promote" in text
+
+
+def test_a_split_that_does_not_follow_the_weights_is_flagged_and_blocks_a_verdict():
+    rng = np.random.default_rng(3)
+    arms = {
+        "no-spec": arm(1, 700, 30 * rng.lognormal(0, 0.3, 700)),
+        "b": arm(1, 300, 20 * rng.lognormal(0, 0.3, 300)),
+    }
+    rows = compare(arms, {}, {}, Options(baseline="no-spec"))["arms"]
+    assert rows[1]["traffic"] == {"expected": 0.5, "observed": 0.3, "mismatch": True}
+    assert rows[1]["verdict"] == KEEP_TESTING and "weight share" in rows[1]["reason"]
+
+
+def test_the_suggested_k_maximizes_tokens_per_unit_of_cost():
+    # Acceptance 0.6, 0.3, 0.05 at positions 0-2: tokens per step 1.6, 1.9, 1.95.
+    totals = ArmTotals(drafts=100, accepted_per_position=[60, 30, 5])
+    assert suggest_k(totals, draft_cost=0.1)["k"] == 2  # 1/1, 1.6/1.1, 1.9/1.2, 1.95/1.3
+    assert suggest_k(totals, draft_cost=0.0)["k"] == 3
+    assert suggest_k(totals, draft_cost=0.0)["try_larger"]
+    # A drafter that is never right: speculation does not pay (its positions export nothing).
+    assert suggest_k(ArmTotals(drafts=100), draft_cost=0.1)["k"] == 0
+    assert suggest_k(ArmTotals(drafts=100, accepted_per_position=[5]), draft_cost=0.1)["k"] == 0
+    assert suggest_k(ArmTotals(), draft_cost=0.1) is None
+
+
+def test_speedup_is_taken_per_band_of_load():
+    load = {0.0: 1.0, 60.0: 1.2, 120.0: 8.0}
+    base = {0.0: (1.0, 30.0), 60.0: (1.0, 30.0), 120.0: (2.0, 40.0)}
+    fast_alone = {0.0: (1.0, 45.0), 60.0: (1.0, 45.0), 120.0: (2.0, 30.0)}
+    got = speedup_by_load(fast_alone, base, load)
+    assert got["1"] == pytest.approx(1.5)
+    assert got["5-16"] == pytest.approx(0.75)
+    assert got["2-4"] is None and got[">16"] is None
+
+
+def test_since_takes_durations_and_times():
+    assert parse_since("30m", now=10_000) == 8_200
+    assert parse_since("1700000000", now=0) == 1_700_000_000
+    assert parse_since("2026-01-01T00:00:00+00:00", now=0) == 1_767_225_600
+    with pytest.raises(ValueError, match="--since"):
+        parse_since("yesterday", now=0)

@@ -100,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     eval_p.add_argument("--k", type=int, nargs="+", default=[3, 5])
     eval_p.add_argument("--per-set", type=int, default=24, help="prompts per held-out set")
     eval_p.add_argument("--out", type=Path, help="write the results as JSON here")
+    diagnose_p = drafter_sub.add_parser(
+        "diagnose",
+        help="attention drift, hidden-state growth and depth extrapolation per draft step",
+    )
+    diagnose_p.add_argument(
+        "drafters", nargs="*", help="NAME=DIR (default: the shipped eagle3 and eagle3.1)"
+    )
+    diagnose_p.add_argument("--per-set", type=int, default=8, help="held-out prompts per set")
+    diagnose_p.add_argument("--steps", type=int, default=7, help="draft steps to unroll")
+    diagnose_p.add_argument("--out", type=Path, default=Path("diagnose"), help="output dir")
 
     bench_p = sub.add_parser(
         "bench",
@@ -279,6 +289,8 @@ def _drafter(args: argparse.Namespace) -> int:
         train_config = TrainConfig(epochs=args.epochs, soft_labels=args.soft_labels)
         print(markdown_table(run(config, train_config)))
         return 0
+    if args.drafter_command == "diagnose":
+        return _diagnose(args, target)
     from specserve.drafter.pipeline import eval_sets
 
     drafters = dict(item.split("=", 1) for item in args.drafters)
@@ -286,6 +298,29 @@ def _drafter(args: argparse.Namespace) -> int:
     if args.out:
         write_report(results, args.out)
     print(markdown_table([r.to_dict() for r in results]))
+    return 0
+
+
+def _diagnose(args: argparse.Namespace, target: str) -> int:
+    import json
+
+    from specserve.drafter import diagnose
+    from specserve.models import resolve_drafter_source
+    from specserve.settings import get_settings
+
+    drafters = dict(item.split("=", 1) for item in args.drafters) or {
+        name: str(resolve_drafter_source(f"package://{name}")) for name in ("eagle3", "eagle3.1")
+    }
+    work = get_settings().cache_dir / "drafters" / "diagnose"
+    report = diagnose.diagnose(
+        target, drafters, per_set=args.per_set, steps=args.steps, work_dir=work
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "diagnose.json").write_text(json.dumps(report, indent=2))
+    table = diagnose.markdown(report)
+    (args.out / "diagnose.md").write_text(table + "\n")
+    print(table)
+    print(f"plot: {diagnose.plot(report, args.out / 'diagnose.png')}")
     return 0
 
 

@@ -29,6 +29,7 @@ from grafana.promql import (
     DEPLOYMENT,
     E2E_BUCKETS,
     ENGINES,
+    OUTPUT_SPEED_COUNT,
     OUTPUT_TOKENS,
     PER_ARM,
     PER_MODEL,
@@ -39,6 +40,7 @@ from grafana.promql import (
     SPEC_ACCEPTED_PER_POSITION,
     SPEC_DRAFT_TOKENS,
     SPEC_DRAFTS,
+    STAT_SUM,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
     VLLM_GENERATION_TOKENS,
@@ -210,6 +212,8 @@ def speed_panels() -> list[PanelBuilder]:
     baseline = f'{DEPLOYMENT}, arm="{BASELINE_ARM}"'
     baseline_tpot = quantile(0.5, TPOT_BUCKETS, baseline, by=PER_MODEL)
     speedup = f"(1 / {arm_tpot})\n* on ({PER_MODEL}) group_left\n{baseline_tpot}"
+    speed_sum = rate_sum(STAT_SUM, f'{ARMS}, stat="{metrics.REQUEST_OUTPUT_SPEED}"')
+    mean_speed = f"{speed_sum}\n/ {rate_sum(OUTPUT_SPEED_COUNT)}"
     return [
         graph(
             "Per-user output speed (p50)",
@@ -226,6 +230,15 @@ def speed_panels() -> list[PanelBuilder]:
             f"without speculation. Empty while `{BASELINE_ARM}` serves no streaming requests.",
             [(speedup, PER_ARM_LEGEND)],
             unit="suffix:x",
+            width=12,
+        ),
+        graph(
+            "Per-user output speed (mean, every request)",
+            "Output tokens / (arrival to last byte) of each successful request, streaming or "
+            "not, averaged per arm: what `specserve ab report` compares (from the exact sums, "
+            "not the histogram's bucket midpoints).",
+            [(mean_speed, PER_ARM_LEGEND)],
+            unit=TOKENS_PER_S,
             width=12,
         ),
         graph(

@@ -29,10 +29,13 @@ def test_the_probe_changes_nothing_it_observes():
     aux, inputs, _, _, first = sequence_batch(record(), STEPS, max_len=1 << 30)
     with torch.no_grad():
         before = model.unrolled(aux, inputs, STEPS, logits_from=first)
-        Probe(model, STEPS)
-        after = model.unrolled(aux, inputs, STEPS, logits_from=first)
-    for a, b in zip(before, after, strict=True):
+        with Probe(model, STEPS) as probe:
+            observed = model.unrolled(aux, inputs, STEPS, logits_from=first)
+        recorded = probe.queries.clone()
+        model.unrolled(aux, inputs, STEPS, logits_from=first)  # the probe is gone: not recorded
+    for a, b in zip(before, observed, strict=True):
         torch.testing.assert_close(a, b)
+    assert recorded[0] > 0 and torch.equal(probe.queries, recorded)
 
 
 def test_attention_shares_follow_the_draft_mask():

@@ -83,7 +83,8 @@ def _target_answers(
 
 
 class Probe:
-    """Records attention shares and fed-forward hidden RMS per step during Drafter.unrolled."""
+    """Records attention shares and fed-forward hidden RMS per step during Drafter.unrolled,
+    while installed on the model (a context manager: leaving it restores the model)."""
 
     def __init__(self, model: Drafter, steps: int) -> None:
         self.model, self.steps = model, steps
@@ -96,6 +97,12 @@ class Probe:
         self._attend, self._next_hidden = attn.attend, model.next_hidden
         attn.attend = self.attend  # type: ignore[method-assign]
         model.next_hidden = self.next_hidden  # type: ignore[method-assign]
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.midlayer.self_attn.attend, self.model.next_hidden
 
     def run(self, record: dict) -> None:
         aux, inputs, _, _, first = sequence_batch(record, self.steps, max_len=1 << 30)
@@ -152,9 +159,9 @@ def diagnose(
     for name, model in models.items():
         for set_name, set_records in records.items():
             acceptance = offline_acceptance(model, set_records, steps)
-            probe = Probe(model, steps)
-            for record in set_records:
-                probe.run(record)
+            with Probe(model, steps) as probe:
+                for record in set_records:
+                    probe.run(record)
             chain = acceptance.chain
             conditional = [chain[0]] + [
                 chain[j] / chain[j - 1] if chain[j - 1] > 0 else 0.0 for j in range(1, steps)

@@ -8,6 +8,13 @@ on CPUs with bf16 instructions, fixed seeds, and a checkpoint every `checkpoint_
 steps that `train` resumes from. Given validation sequences (never trained on), it measures their
 offline acceptance every `validate_every` updates and ends on the best weights seen (early
 stopping), so a longer run can never end worse than its best point.
+
+Data parallel: run `train` in every process of a `torch.distributed` group (`torchrun`; gloo on
+CPU, NCCL on GPUs; `specserve.drafter.distributed` is the launcher). Every rank walks the same
+seeded sequence order; each update's sequences are dealt out round-robin and the summed
+gradients all-reduced, so an update is the same sum as in one process (up to float summation
+order) and every rank holds the same weights. Rank 0 validates, checkpoints and shows progress.
+The model's device (CPU or CUDA) is where batches go.
 """
 
 from __future__ import annotations
@@ -59,10 +66,21 @@ class OfflineAcceptance:
         return 1 + sum(self.chain)
 
 
-def autocast() -> torch.autocast:
-    """bf16 autocast where the CPU has bf16 instructions; elsewhere it is ~10x slower than
-    float32 (a drafter forward + backward: 21 s vs 2 s on an AVX2 machine), so float32."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_dtype() == "bfloat16")
+def autocast(device: torch.device | None = None) -> torch.autocast:
+    """bf16 autocast on CUDA, and where the CPU has bf16 instructions; elsewhere it is ~10x
+    slower than float32 (a drafter forward + backward: 21 s vs 2 s on an AVX2 machine)."""
+    kind = device.type if device is not None else "cpu"
+    enabled = kind == "cuda" or fast_dtype() == "bfloat16"
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _group() -> tuple[int, int]:
+    """(rank, world size) of the torch.distributed group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def load_records(shards: list[Path]) -> list[dict]:
@@ -117,9 +135,11 @@ def offline_acceptance(model: Drafter, records: list[dict], steps: int) -> Offli
     was_training = model.training
     model.eval()
     right, chained, tokens = torch.zeros(steps), torch.zeros(steps), 0
+    device = next(model.parameters()).device
     for record in records:
         aux, inputs, labels, _, first = sequence_batch(record, steps, max_len=1 << 30)
-        with autocast():
+        aux, inputs, labels = aux.to(device), inputs.to(device), [x.to(device) for x in labels]
+        with autocast(device):
             logits = model.unrolled(aux.float(), inputs, steps, logits_from=first)
         answer = labels[0][:, first:] >= 0
         chain = torch.ones_like(answer)
@@ -127,8 +147,8 @@ def offline_acceptance(model: Drafter, records: list[dict], steps: int) -> Offli
             target = model.to_draft(label[:, first:].clamp(min=0))
             ok = (step_logits.argmax(-1) == target) & (label[:, first:] >= 0)
             chain &= ok
-            right[j] += ok[answer].sum()
-            chained[j] += chain[answer].sum()
+            right[j] += ok[answer].sum().cpu()
+            chained[j] += chain[answer].sum().cpu()
         tokens += int(answer.sum())
     model.train(was_training)
     n = max(tokens, 1)
@@ -153,7 +173,9 @@ def train(
     soft_weight = config.soft_labels
     if soft_weight and target_head is None:
         raise ValueError("soft_labels needs the target's output head (target_head)")
-    teacher_head = target_head.float() if target_head is not None else None
+    device = next(model.parameters()).device
+    rank, world = _group()
+    teacher_head = target_head.float().to(device) if target_head is not None else None
     torch.manual_seed(config.seed)
     order_rng = random.Random(config.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -182,7 +204,7 @@ def train(
         torch.set_rng_state(state["torch_rng"])
         best, history = state.get("best", best), state.get("history", history)
 
-    bar = tqdm(total=total_updates, initial=update, desc=desc, unit="update")
+    bar = tqdm(total=total_updates, initial=update, desc=desc, unit="update", disable=rank != 0)
     model.train()
     weights = [config.step_weight_decay**j for j in range(config.steps)]
     running = [0.0] * config.steps  # top-1 per step, averaged over recent updates
@@ -190,6 +212,7 @@ def train(
     while update < total_updates:
         tokens, loss_sum, correct, counted = 0, 0.0, [0] * config.steps, [0] * config.steps
         optimizer.zero_grad(set_to_none=True)
+        dealt = 0  # sequences of this update so far: rank r takes every world-th one
         while tokens < config.tokens_per_update:
             if position >= len(order):
                 order, position = list(range(len(records))), 0
@@ -199,10 +222,15 @@ def train(
             aux, inputs, labels, finals, first = sequence_batch(
                 record, config.steps, config.max_len
             )
-            labels = [label[:, first:] for label in labels]
-            with autocast():
+            labels = [label[:, first:].to(device) for label in labels]
+            tokens += max(int((labels[0] >= 0).sum()), 1)
+            dealt += 1
+            if (dealt - 1) % world != rank:
+                continue
+            aux, inputs = aux.to(device), inputs.to(device)
+            with autocast(device):
                 logits = model.unrolled(aux.float(), inputs, config.steps, logits_from=first)
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
             for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
                 answer = label >= 0
                 if not answer.any():
@@ -216,17 +244,18 @@ def train(
                     if finals is None or teacher_head is None:
                         raise ValueError("soft_labels needs records with final states")
                     with torch.no_grad():
-                        teacher = finals[j][:, first:][answer].float() @ teacher_head.T
+                        final = finals[j][:, first:].to(device)[answer]
+                        teacher = final.float() @ teacher_head.T
                     soft = -(teacher.softmax(-1) * log_p).sum()
                     step_loss = (1 - soft_weight) * hard + soft_weight * soft
                 loss = loss + weights[j] * step_loss
                 valid = target >= 0
                 correct[j] += int((step_logits.argmax(-1) == target)[valid].sum())
                 counted[j] += int(valid.sum())
-            answer = int((labels[0] >= 0).sum())
-            tokens += max(answer, 1)
             (loss / config.tokens_per_update).backward()
             loss_sum += float(loss.detach())
+        if world > 1:
+            loss_sum, correct, counted = _all_reduce(params, loss_sum, correct, counted)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(update)
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -239,6 +268,8 @@ def train(
         ]
         bar.update()
         bar.set_postfix(loss=f"{loss_sum / tokens:.3f}", acc="/".join(f"{a:.2f}" for a in running))
+        if rank != 0:
+            continue
         if validation and (update % config.validate_every == 0 or update == total_updates):
             result = offline_acceptance(model, validation, config.steps)
             history.append({"update": update, **asdict(result)})
@@ -273,6 +304,24 @@ def train(
         model.load_state_dict(best["model"])
     model.eval()
     return model
+
+
+def _all_reduce(
+    params: list[torch.nn.Parameter], loss_sum: float, correct: list[int], counted: list[int]
+) -> tuple[float, list[int], list[int]]:
+    """Sum gradients (a rank that drew no sequence this update adds zeros) and the update's
+    statistics over the group."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    stats = torch.tensor([loss_sum, *correct, *counted], dtype=torch.float64)
+    dist.all_reduce(stats)
+    steps = len(correct)
+    as_ints = [int(x) for x in stats[1:].tolist()]
+    return float(stats[0]), as_ints[:steps], as_ints[steps:]
 
 
 def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,11 +25,11 @@ from specserve.ab.sequential import Interval, Moments, difference
 from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
 
 PROMOTE, KEEP_TESTING, ROLL_BACK = "promote", "keep testing", "roll back"
-# The figures compared, the primary first: (key in the report, metric, higher is better).
+# The figures compared, the primary (the verdict's) first: (key in the report, metric).
 FIGURES = (
-    ("tokens_per_s", REQUEST_OUTPUT_SPEED, True),
-    ("tpot_s", TIME_PER_OUTPUT_TOKEN, False),
-    ("acceptance_length", REQUEST_ACCEPTANCE_LENGTH, True),
+    ("tokens_per_s", REQUEST_OUTPUT_SPEED),
+    ("tpot_s", TIME_PER_OUTPUT_TOKEN),
+    ("acceptance_length", REQUEST_ACCEPTANCE_LENGTH),
 )
 # Load bands by mean requests in flight: (label, upper bound).
 LOAD_BANDS = (("1", 1.5), ("2-4", 4.5), ("5-16", 16.5), (">16", math.inf))
@@ -82,7 +82,7 @@ def compare(
     for name, arm in sorted(shown.items(), key=lambda kv: kv[0] != options.baseline):
         row: dict[str, Any] = {"arm": name, "weight": arm.weight, "requests": _n(arm)}
         row["traffic"] = traffic_share(arm, total_weight, total_randomized)
-        for key, metric, _ in FIGURES:
+        for key, metric in FIGURES:
             mine, theirs = _moments(arm, metric), _moments(base, metric)
             row[key] = None if mine is None else {"mean": mine.value()}
             if mine is not None and theirs is not None and name != options.baseline:

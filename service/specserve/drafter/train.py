@@ -222,12 +222,14 @@ def train(
             aux, inputs, labels, finals, first = sequence_batch(
                 record, config.steps, config.max_len
             )
-            labels = [label[:, first:].to(device) for label in labels]
+            labels = [label[:, first:] for label in labels]
             tokens += max(int((labels[0] >= 0).sum()), 1)
+            mine = dealt % world == rank
             dealt += 1
-            if (dealt - 1) % world != rank:
-                continue
+            if not mine:
+                continue  # counted for the update's size; another rank computes it
             aux, inputs = aux.to(device), inputs.to(device)
+            labels = [label.to(device) for label in labels]
             with autocast(device):
                 logits = model.unrolled(aux.float(), inputs, config.steps, logits_from=first)
             loss = torch.zeros((), device=device)

@@ -1,5 +1,7 @@
 """Bad input gets a 4xx with an OpenAI error body, and the service keeps serving."""
 
+import concurrent.futures as cf
+
 import pytest
 
 from specserve import headers
@@ -145,3 +147,21 @@ def test_seed_on_a_speculative_cpu_arm_is_refused_and_the_arm_survives(live):
     body.pop("seed")
     ok = live.http.post("/v1/completions", json=body, headers={headers.ARM_OVERRIDE: "ngram"})
     assert ok.status_code == 200
+
+
+def test_seeded_requests_whose_prefill_is_split_are_served(live):
+    """Eight ~900-token seeded prompts at once exceed one step's token budget, so some prefills
+    are split; vLLM then rewinds those requests' generators, which CPU generators cannot do
+    (it killed the engine for everyone before `vllm_fixes.skip_generator_rewind`)."""
+    bodies = [
+        {"model": MODEL, "prompt": f"{i} " + "lorem ipsum " * 180, "max_tokens": 4, "seed": i}
+        for i in range(8)
+    ]
+    arm = {headers.ARM_OVERRIDE: "no-spec"}
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(
+            pool.map(lambda b: live.http.post("/v1/completions", json=b, headers=arm), bodies)
+        )
+    assert [a.status_code for a in answers] == [200] * len(bodies), answers[0].text
+    again = live.http.post("/v1/completions", json=bodies[0], headers=arm)
+    assert again.status_code == 200

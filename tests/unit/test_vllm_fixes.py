@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.engine import vllm_fixes
@@ -25,3 +26,26 @@ def test_vllms_plugin_loader_installs_the_fix_on_this_cpu():
 
     load_general_plugins()
     assert rejection_sampler.expand_batch_to_tokens is vllm_fixes.expand_batch_to_tokens
+
+
+def test_seeded_generators_are_not_rewound_on_cpu():
+    from types import SimpleNamespace
+
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    with pytest.raises(RuntimeError, match="offset"):  # what vLLM's rewind would call
+        torch.Generator().get_offset()
+    load_general_plugins()
+    assert CPUModelRunner._bookkeeping_sync.skips_generator_rewind
+
+    generators = {0: torch.Generator()}
+    runner = SimpleNamespace(input_batch=SimpleNamespace(generators=generators))
+    seen = []
+
+    def bookkeeping_sync(self, *args):
+        seen.append(dict(self.input_batch.generators))
+        return args
+
+    assert vllm_fixes.skip_generator_rewind(bookkeeping_sync)(runner, 1, 2) == (1, 2)
+    assert seen == [{}] and runner.input_batch.generators is generators  # restored after

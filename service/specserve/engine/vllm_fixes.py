@@ -6,9 +6,17 @@ float32 / int32 output buffer and never copies it back (vllm-project/vllm#55005)
 temperature, top-k and top-p used to verify drafted tokens are then uninitialised memory, and
 sampled output drifts towards the drafter's guesses (greedy output is unaffected). On CPU without
 Triton, `expand_batch_to_tokens` is replaced by the same expansion in plain PyTorch.
+
+Seeded sampling on CPU: when a request's prefill is split over several steps, vLLM discards the
+token sampled at a partial step and rewinds the request's generator with `set_offset`, which a
+CPU generator does not have ("CPU Generator does not use offset"): the whole engine dies, for
+every request on it. On CPU the rewind is skipped (`skip_generator_rewind`); a seeded request
+stays reproducible for the same prompt and batch, it just draws from a later point of its seed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,6 +35,23 @@ def expand_batch_to_tokens(
     return values.repeat_interleave(counts, output_size=num_tokens)
 
 
+def skip_generator_rewind(bookkeeping_sync):
+    """Wrap the model runner's `_bookkeeping_sync` so it sees no generator to rewind; its only
+    use of `input_batch.generators` is that rewind, and the sampler keeps its own reference."""
+
+    @functools.wraps(bookkeeping_sync)
+    def wrapper(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        self.input_batch.generators = {}
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    wrapper.skips_generator_rewind = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def register() -> None:
     """The plugin entry point: apply the fixes that this process's platform needs."""
     from vllm.platforms import current_platform
@@ -36,3 +61,10 @@ def register() -> None:
         from vllm.v1.sample import rejection_sampler
 
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
+            CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]
+                CPUModelRunner._bookkeeping_sync
+            )

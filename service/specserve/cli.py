@@ -89,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     build_p.add_argument("--prompts", type=int, default=2600, help="training prompts at most")
     build_p.add_argument("--epochs", type=float, default=2.0)
     build_p.add_argument(
+        "--updates", type=int, default=0, help="optimizer steps per drafter (0: from --epochs)"
+    )
+    build_p.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3)")
+    build_p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="continue from DIR/eagle3 and DIR/eagle3.1 (e.g. the shipped pair in the package's "
+        "drafters/) instead of training from scratch; they are evaluated beside the results",
+    )
+    build_p.add_argument(
         "--soft-labels",
         type=float,
         default=0.0,
@@ -285,8 +297,14 @@ def _drafter(args: argparse.Namespace) -> int:
         from specserve.drafter.train import TrainConfig
 
         work = args.work_dir or get_settings().cache_dir / "drafters"
-        config = PipelineConfig(work, target, max_train_prompts=args.prompts, ship=args.ship)
-        train_config = TrainConfig(epochs=args.epochs, soft_labels=args.soft_labels)
+        config = PipelineConfig(
+            work, target, max_train_prompts=args.prompts, ship=args.ship, init_from=args.init_from
+        )
+        train_config = TrainConfig(
+            epochs=args.epochs, updates=args.updates, soft_labels=args.soft_labels
+        )
+        if args.lr is not None:
+            train_config.lr = args.lr
         print(markdown_table(run(config, train_config)))
         return 0
     if args.drafter_command == "diagnose":

@@ -144,3 +144,21 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     result = json.loads(out.read_text())
     assert result["eagle_drafts"] > 0, "vLLM did not draft with the exported drafter"
     assert result["eagle"] == result["plain"], "speculation changed greedy float32 output"
+    if switches:
+        return  # one drafter is enough for the evaluation's per-prompt figures
+    report = tmp_path / "eval.json"
+    _isolated(_evaluate, tiny_target, str(export), report)
+    (row,) = json.loads(report.read_text())
+    drafts, accepted = (sum(column) for column in zip(*row["per_prompt"], strict=True))
+    assert len(row["per_prompt"]) == 3 and drafts > 0
+    assert (drafts, accepted) == (row["drafts"], row["accepted"])  # per prompt adds up
+
+
+def _evaluate(target: str, drafter: str, out: Path) -> None:
+    from specserve.drafter.evaluate import evaluate, write_report
+
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    results = evaluate(
+        target, {"eagle": drafter}, {"plain": prompts}, ks=(2,), max_tokens=24, dtype="float32"
+    )
+    write_report(results, out)

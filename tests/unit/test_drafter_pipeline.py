@@ -82,9 +82,25 @@ def test_markdown_table_compares_the_last_drafter_with_the_first():
         for name, accepted in (("eagle3", 50), ("eagle3.1", 75))
     ]
     lines = markdown_table(report).splitlines()
-    assert "eagle3 mean acc. length | eagle3.1 mean acc. length" in lines[0]
-    assert lines[2].startswith("| chat | 2 | 3 | 1.50 | 1.75 | 1.17x |")  # k = 3 first
+    assert lines[0].startswith("| prompt set | n | k | eagle3 | eagle3.1 | eagle3.1 / eagle3 |")
+    assert lines[2] == "| chat | 2 | 3 | 1.50 | 1.75 | 1.17x | 0.75, 0.00, 0.00 |"  # k = 3 first
     assert lines[3].startswith("| chat | 2 | 5 | 1.50 | 1.75 | 1.17x |")
+
+
+def test_markdown_table_compares_continued_drafters_with_where_they_started():
+    from specserve.drafter.evaluate import Acceptance, markdown_table
+
+    accepted = {"eagle3 (start)": 40, "eagle3.1 (start)": 50, "eagle3": 60, "eagle3.1": 80}
+    report = [
+        Acceptance(name, 3, "chat", 2, 100, 300, n, [n, 0, 0]).to_dict()
+        for name, n in accepted.items()
+    ]
+    header, _, row = markdown_table(report).splitlines()
+    assert header.startswith(
+        "| prompt set | n | k | eagle3 (start) | eagle3.1 (start) | eagle3 | eagle3.1 "
+        "| eagle3.1 / eagle3 | eagle3 / eagle3 (start) | eagle3.1 / eagle3.1 (start) |"
+    )
+    assert row.startswith("| chat | 2 | 3 | 1.40 | 1.50 | 1.60 | 1.80 | 1.12x | 1.14x | 1.20x |")
 
 
 def test_isolated_stage_runs_in_a_child_and_its_failure_is_raised(tmp_path):
@@ -164,3 +180,33 @@ def test_signatures_hide_addresses_and_process_state():
 
     assert signature(uses_environ) == "(environ=..., n=3)"
     assert signature(len) == "(obj, /)"
+
+
+def test_length_ratio_interval_is_paired_over_prompts():
+    from specserve.drafter.evaluate import Acceptance, length_ratio, markdown_table
+
+    def row(name: str, accepted: list[int]) -> dict:
+        per_prompt = [[10, a] for a in accepted]
+        total = sum(accepted)
+        return Acceptance(
+            name,
+            3,
+            "long",
+            len(accepted),
+            10 * len(accepted),
+            30 * len(accepted),
+            total,
+            [total, 0, 0],
+            per_prompt,
+        ).to_dict()
+
+    # Prompts differ a lot in difficulty, but the variant accepts 2 more on every one of them.
+    easy_and_hard = [1, 9, 2, 8, 1, 9, 3, 7, 2, 8]
+    base, better = row("eagle3", easy_and_hard), row("eagle3.1", [a + 2 for a in easy_and_hard])
+    point, low, high = length_ratio(better, base)
+    assert point == pytest.approx(1.7 / 1.5) and 1.0 < low < point < high
+    same_point, same_low, same_high = length_ratio(base, row("eagle3", easy_and_hard))
+    assert same_low == same_point == same_high == 1.0  # identical per prompt: no spread
+    assert f"| {point:.2f}x ({low:.2f}-{high:.2f}) |" in markdown_table([base, better])
+    del better["per_prompt"]  # an older report: the ratio without an interval
+    assert "| 1.13x | 0.70" in markdown_table([base, better])

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     for share in args.shares:  # in the order given: the most telling first
         subset = records[: max(1, round(share * len(records)))]
         answer_tokens = sum(r["input_ids"].numel() - r["answer_start"] for r in subset)
-        epochs = (args.updates + 0.5) * TrainConfig.tokens_per_update / answer_tokens
-        config = TrainConfig(epochs=epochs)
+        epochs = args.updates * TrainConfig.tokens_per_update / answer_tokens
+        config = TrainConfig(updates=args.updates)
         vocab = PipelineConfig.draft_vocab_size  # as the build's drafters
         model = new_drafter(target, subset, draft_vocab_size=vocab, **VARIANTS[args.variant])
         out = work / "data-bench" / f"{args.variant}-{args.updates}-{share:g}"
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                 "share": share,
                 "sequences": len(subset),
                 "answer_tokens": answer_tokens,
-                "epochs": config.epochs,
+                "epochs": epochs,
                 "held_out": held_out.mean_acceptance_length,
                 "held_out_top1": held_out.step_top1,
                 "seen": seen.mean_acceptance_length,

@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.bootstrap import paired_interval
 from specserve.metrics import (
     ARM,
     EXPORT_PREFIX,
@@ -40,8 +41,6 @@ from specserve.settings import get_settings
 
 PROMPT_SETS = ("chat", "coding", "long", "perturbed")
 _KIND_OF_SET = {"chat": "chat", "coding": "code", "long": "long", "perturbed": "perturbed"}
-BOOTSTRAP_RESAMPLES = 2000
-CONFIDENCE = 0.95
 # Ray exports recorded metrics in batches (every 2 s for a local `specserve serve`).
 METRICS_SETTLE_S = 5.0
 
@@ -238,20 +237,11 @@ def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
 
 
 def speedup_ci(arm: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """Ratio of mean per-user tokens/s, arm over baseline, and its bootstrap CI over prompts
-    (resampling prompt indices, so both arms keep the same prompts)."""
-    a, b = np.array(arm), np.array(base)
-    both = ~(np.isnan(a) | np.isnan(b))
-    a, b = a[both], b[both]
-    n = len(a)
-    if n == 0:
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
-    ratios = a[idx].mean(axis=1) / b[idx].mean(axis=1)
-    tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return float(a.mean() / b.mean()), float(low), float(high)
+    """Ratio of mean per-user tokens/s, arm over baseline, and its paired bootstrap CI over
+    prompts (prompts either arm lacks are left out)."""
+    pairs = np.array([arm, base], dtype=float).T.reshape(-1, 2)
+    pairs = pairs[~np.isnan(pairs).any(axis=1)]
+    return paired_interval(lambda s: s[..., 0].mean(-1) / s[..., 1].mean(-1), pairs, seed=seed)
 
 
 def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 For each drafter and each k, the target and drafter run together in one vLLM engine over held-out
 prompt sets; acceptance comes from vLLM's own speculative-decoding counters, with vLLM's
 definitions: mean acceptance length = 1 + accepted / drafts, acceptance rate = accepted / draft
-tokens, acceptance at position p = accepted at p / drafts.
+tokens, acceptance at position p = accepted at p / drafts. vLLM's per-request statistics give
+each prompt's drafts and accepted tokens too, so a ratio between two drafters gets a paired
+bootstrap interval over prompts (greedy decoding is lossless: both score the same outputs).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from specserve.bootstrap import paired_interval
 from specserve.drafter.data import GENERATION_ENV, shutdown
 from specserve.hardware import fast_dtype
 
@@ -29,6 +34,7 @@ class Acceptance:
     draft_tokens: int
     accepted: int
     accepted_per_position: list[int]
+    per_prompt: list[list[int]] = field(default_factory=list)  # [drafts, accepted] per prompt
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -89,14 +95,15 @@ def evaluate(
                 max_model_len=max_model_len,
                 max_num_seqs=32,
                 disable_log_stats=False,
+                per_request_spec_decode_metrics="summary",
                 speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": k},
             )
             for set_name, conversations in prompt_sets.items():
                 before = _spec_counters(llm)
                 if all(isinstance(c, str) for c in conversations):  # rendered plain prompts
-                    llm.generate(conversations, params, use_tqdm=False)
+                    outputs = llm.generate(conversations, params, use_tqdm=False)
                 else:
-                    llm.chat(conversations, params, use_tqdm=False)
+                    outputs = llm.chat(conversations, params, use_tqdm=False)
                 after = _spec_counters(llm)
                 per_position = [
                     a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
@@ -112,6 +119,7 @@ def evaluate(
                         draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
                         accepted=int(after["accepted"] - before["accepted"]),
                         accepted_per_position=[int(x) for x in per_position],
+                        per_prompt=[_drafts_accepted(o.outputs[0]) for o in outputs],
                     )
                 )
                 print(_row(results[-1]), flush=True)
@@ -119,6 +127,34 @@ def evaluate(
             del llm
             gc.collect()
     return results
+
+
+def _drafts_accepted(output) -> list[int]:
+    """[drafts, accepted draft tokens] of one sequence, from vLLM's per-request histogram of
+    accepted tokens per draft."""
+    stats = output.spec_decode_metrics
+    if stats is None:
+        return [0, 0]
+    return [sum(stats.histogram), sum(j * n for j, n in enumerate(stats.histogram))]
+
+
+def length_ratio(variant: dict, baseline: dict, seed: int = 0) -> tuple[float, float, float]:
+    """Mean acceptance length of `variant` over `baseline` (two reports' rows on the same
+    prompts), with its paired bootstrap interval over prompts; nan bounds without per-prompt
+    figures."""
+    point = variant["mean_acceptance_length"] / baseline["mean_acceptance_length"]
+    a, b = variant.get("per_prompt") or [], baseline.get("per_prompt") or []
+    if not a or len(a) != len(b):
+        return point, float("nan"), float("nan")
+
+    def ratio(s: np.ndarray) -> np.ndarray:  # columns: drafts, accepted of variant, baseline
+        totals = s.sum(axis=-2)
+        length = 1 + totals[..., 1::2] / np.maximum(totals[..., 0::2], 1)
+        return length[..., 0] / length[..., 1]
+
+    samples = np.array([[*x, *y] for x, y in zip(a, b, strict=True)])
+    _, low, high = paired_interval(ratio, samples, seed=seed)
+    return point, low, high
 
 
 def _row(a: Acceptance) -> str:
@@ -132,29 +168,48 @@ def write_report(results: list[Acceptance], out: Path) -> None:
     out.write_text(json.dumps([r.to_dict() for r in results], indent=2))
 
 
+START = " (start)"  # suffix of a drafter that training continued from, scored beside the result
+
+
+def _ratio_cell(variant: dict | None, baseline: dict | None) -> str:
+    if variant is None or baseline is None:
+        return ""
+    point, low, high = length_ratio(variant, baseline)
+    return f"{point:.2f}x" + ("" if np.isnan(low) else f" ({low:.2f}-{high:.2f})")
+
+
+def comparisons(names: list[str]) -> list[tuple[str, str]]:
+    """The (variant, baseline) ratios worth a column: the last drafter over the first (EAGLE-3.1
+    over EAGLE-3 in the pipeline's report), and each drafter over its own starting point
+    `NAME (start)` when training continued from one."""
+    trained = [n for n in names if not n.endswith(START)]
+    pairs = [(trained[-1], trained[0])] if len(trained) > 1 else []
+    return pairs + [(n, n + START) for n in trained if n + START in names]
+
+
 def markdown_table(report: list[dict]) -> str:
-    """BENCHMARKS.md's table from a report (`write_report`'s JSON): one row per set and k, the
-    last drafter compared with the first (EAGLE-3.1 with EAGLE-3 in the pipeline's report)."""
+    """BENCHMARKS.md's table from a report (`write_report`'s JSON): one row per set and k, each
+    drafter's mean acceptance length, the `comparisons` ratios (with their 95 % paired bootstrap
+    interval over prompts where the report has per-prompt figures) and the last drafter's
+    acceptance per draft position."""
     names = list(dict.fromkeys(r["drafter"] for r in report))
-    baseline, variant = names[0], names[-1]
+    pairs = comparisons(names)
+    last = names[-1]
     by_key = {(r["drafter"], r["k"], r["prompt_set"]): r for r in report}
+    header = ["prompt set", "n", "k", *names, *(f"{v} / {b}" for v, b in pairs)]
     lines = [
-        f"| prompt set | n | k | {baseline} mean acc. length | {variant} mean acc. length "
-        f"| {variant} / {baseline} | {baseline} rate | {variant} rate | {variant} per-position |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join([*header, f"{last} per-position"]) + " |",
+        "|" + " --- |" * (len(header) + 1),
     ]
     keys = sorted(
-        ((r["k"], r["prompt_set"]) for r in report if r["drafter"] == variant), key=lambda x: x[0]
+        dict.fromkeys((r["k"], r["prompt_set"]) for r in report if r["drafter"] == last),
+        key=lambda x: x[0],
     )
     for k, prompt_set in keys:
-        b, v = by_key.get((baseline, k, prompt_set)), by_key[(variant, k, prompt_set)]
-        if b is None:
-            continue
-        ratio = v["mean_acceptance_length"] / b["mean_acceptance_length"]
-        positions = ", ".join(f"{p:.2f}" for p in v["per_position_rate"])
-        lines.append(
-            f"| {prompt_set} | {v['prompts']} | {k} | {b['mean_acceptance_length']:.2f} "
-            f"| {v['mean_acceptance_length']:.2f} | {ratio:.2f}x | {b['acceptance_rate']:.2f} "
-            f"| {v['acceptance_rate']:.2f} | {positions} |"
-        )
+        rows = {n: by_key.get((n, k, prompt_set)) for n in names}
+        cells = [prompt_set, str(rows[last]["prompts"]), str(k)]  # type: ignore[index]
+        cells += [f"{r['mean_acceptance_length']:.2f}" if r else "" for r in rows.values()]
+        cells += [_ratio_cell(rows[v], rows[b]) for v, b in pairs]
+        cells.append(", ".join(f"{p:.2f}" for p in rows[last]["per_position_rate"]))  # type: ignore[index]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specserve.drafter.evaluate import START
 from specserve.drafter.prompts import (
     CHAT_TOPICS,
     Prompt,
@@ -40,6 +41,9 @@ class PipelineConfig:
     draft_vocab_size: int = 8192
     eval_prompts_per_set: int = 24
     ship: bool = False
+    # Continue training from `<init_from>/<variant>` (e.g. the shipped pair) instead of from
+    # scratch; the evaluation then scores the starting drafters beside the new ones.
+    init_from: Path | None = None
 
 
 def _log(message: str) -> None:
@@ -48,7 +52,7 @@ def _log(message: str) -> None:
 
 def run(config: PipelineConfig, train_config=None) -> list[dict]:
     from specserve.drafter.data import capture_features
-    from specserve.drafter.model import DrafterConfig
+    from specserve.drafter.model import Drafter, DrafterConfig
     from specserve.drafter.train import (
         TrainConfig,
         load_records,
@@ -82,8 +86,17 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     for name, switches in VARIANTS.items():
         out = work / name
         if not (out / "export" / "config.json").exists():
-            model = new_drafter(
-                config.target_dir, records, draft_vocab_size=config.draft_vocab_size, **switches
+            model = (
+                Drafter.from_pretrained(
+                    config.init_from / name, target_weights(config.target_dir)["embed"]
+                )
+                if config.init_from
+                else new_drafter(
+                    config.target_dir,
+                    records,
+                    draft_vocab_size=config.draft_vocab_size,
+                    **switches,
+                )
             )
             head = (  # the target's weights are read again only when soft labels need them
                 target_weights(config.target_dir)["head"][model.draft_ids()]
@@ -101,13 +114,19 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             )
             model.export(out / "export")
         exported[name] = str(out / "export")
+    if config.init_from:  # side by side with where training started, on the same prompts
+        exported = {
+            **{name + START: str(config.init_from / name) for name in VARIANTS},
+            **exported,
+        }
 
     report = work / "eval.json"
     if not report.exists():
         del records, validation  # the evaluation's engines need the memory
         _isolated(_evaluate, config, exported, report)
     if config.ship:
-        for name, path in exported.items():
+        for name in VARIANTS:
+            path = exported[name]
             dest = PACKAGED_DRAFTERS_DIR / name
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(path, dest)

@@ -39,6 +39,7 @@ class TrainConfig:
     steps: int = 3  # unrolled draft steps (TTT depth); >= the k it will serve with is best
     step_weight_decay: float = 0.8  # loss weight of step j is decay ** j
     epochs: float = 1.0
+    updates: int = 0  # optimizer steps to take; 0: as many as `epochs` makes
     lr: float = 1e-3
     warmup_fraction: float = 0.03
     weight_decay: float = 0.01
@@ -182,7 +183,9 @@ def train(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
     answer_tokens = sum(r["input_ids"].numel() - r["answer_start"] for r in records)
-    total_updates = max(1, int(config.epochs * answer_tokens / config.tokens_per_update))
+    total_updates = config.updates or max(
+        1, int(config.epochs * answer_tokens / config.tokens_per_update)
+    )
     warmup = max(1, int(config.warmup_fraction * total_updates))
 
     def lr_at(update: int) -> float:

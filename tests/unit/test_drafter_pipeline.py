@@ -3,6 +3,7 @@ the report table."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -210,3 +211,16 @@ def test_length_ratio_interval_is_paired_over_prompts():
     assert f"| {point:.2f}x ({low:.2f}-{high:.2f}) |" in markdown_table([base, better])
     del better["per_prompt"]  # an older report: the ratio without an interval
     assert "| 1.13x | 0.70" in markdown_table([base, better])
+
+
+def test_validation_curves_are_plotted_from_each_trainers_history(tmp_path):
+    from specserve.drafter.pipeline import plot_validation
+
+    for name, chain in (("eagle3", 0.3), ("eagle3.1", 0.4)):
+        history = [
+            {"update": u, "chain": [chain * u / 500, 0.1], "step_top1": []} for u in (250, 500)
+        ]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "validation.json").write_text(json.dumps(history))
+    out = plot_validation(tmp_path, ["eagle3", "eagle3.1", "never-trained"])
+    assert out == tmp_path / "validation.png" and out.read_bytes()[:4] == b"\x89PNG"

@@ -71,11 +71,24 @@ def test_training_learns_validates_and_ends_on_the_best_weights(tmp_path):
 
     history = json.loads((tmp_path / "validation.json").read_text())
     total = int(3 * 20 * 32 / 64)
-    assert [h["update"] for h in history] == [*range(10, total, 10), total]
+    assert [h["update"] for h in history] == [0, *range(10, total, 10), total]
     lengths = [1 + sum(h["chain"]) for h in history]
+    assert lengths[0] == pytest.approx(before)  # where it started is the curve's origin
     after = offline_acceptance(model, validation, steps=3).mean_acceptance_length
     assert after > before + 0.5  # it learned to count
     assert abs(after - max(lengths)) < 1e-6  # and kept its best validated weights
+
+    # Continuing with a learning rate that only does harm ends on the weights it started from.
+    start = {name: t.clone() for name, t in model.state_dict().items()}
+    harmful = TrainConfig(updates=5, tokens_per_update=64, lr=50.0, warmup_fraction=0)
+    continued = train(model, records, tmp_path / "continued", harmful, validation=validation)
+    lengths = [
+        1 + sum(h["chain"])
+        for h in json.loads((tmp_path / "continued" / "validation.json").read_text())
+    ]
+    assert len(lengths) == 2 and lengths[1] < lengths[0]
+    for name, tensor in continued.state_dict().items():
+        torch.testing.assert_close(tensor, start[name])
 
 
 class Interrupted(Exception):

@@ -121,6 +121,7 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             **exported,
         }
 
+    _log(f"validation curves: {plot_validation(work, list(VARIANTS))}")
     report = work / "eval.json"
     if not report.exists():
         del records, validation  # the evaluation's engines need the memory
@@ -134,6 +135,33 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
             _log(f"shipped {name} -> {dest}")
     _log(f"done in {(time.monotonic() - started) / 60:.1f} min")
     return json.loads(report.read_text())
+
+
+def plot_validation(work: Path, names: list[str]) -> Path:
+    """Held-out offline acceptance length against updates, one line per drafter (from each
+    trainer's `validation.json`), written to `<work>/validation.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in names:
+        path = work / name / "validation.json"
+        if path.exists():
+            history = json.loads(path.read_text())
+            lengths = [1 + sum(h["chain"]) for h in history]
+            ax.plot([h["update"] for h in history], lengths, marker="o", label=name)
+    ax.set_xlabel("update")
+    ax.set_ylabel("offline mean acceptance length")
+    ax.set_title("held-out validation sequences")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = work / "validation.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _isolated(stage, *args) -> None:

@@ -7,7 +7,8 @@ weighted per step. AdamW with linear warm-up and cosine decay, gradient clipping
 on CPUs with bf16 instructions, fixed seeds, and a checkpoint every `checkpoint_every` optimizer
 steps that `train` resumes from. Given validation sequences (never trained on), it measures their
 offline acceptance every `validate_every` updates and ends on the best weights seen (early
-stopping), so a longer run can never end worse than its best point.
+stopping), so a longer run can never end worse than its best point, nor worse than where it
+started (the weights before the first update are validated too).
 
 Data parallel: run `train` in every process of a `torch.distributed` group (`torchrun`; gloo on
 CPU, NCCL on GPUs; `specserve.drafter.distributed` is the launcher). Every rank walks the same
@@ -208,6 +209,24 @@ def train(
         best, history = state.get("best", best), state.get("history", history)
 
     bar = tqdm(total=total_updates, initial=update, desc=desc, unit="update", disable=rank != 0)
+
+    def validate() -> None:
+        nonlocal best
+        assert validation is not None
+        result = offline_acceptance(model, validation, config.steps)
+        history.append({"update": update, **asdict(result)})
+        (out_dir / "validation.json").write_text(json.dumps(history, indent=1))
+        length = result.mean_acceptance_length
+        if length > best["length"]:
+            best = {"length": length, "update": update, "model": _copy(model.state_dict())}
+        top1 = "/".join(f"{a:.2f}" for a in result.step_top1)
+        bar.write(
+            f"{desc} update {update}: validation acceptance length {length:.3f}, "
+            f"top-1 {top1} (best {best['length']:.3f} at update {best['update']})"
+        )
+
+    if validation and rank == 0 and update == 0:
+        validate()  # where training starts: the curve's origin, and the length to beat
     model.train()
     weights = [config.step_weight_decay**j for j in range(config.steps)]
     running = [0.0] * config.steps  # top-1 per step, averaged over recent updates
@@ -276,17 +295,7 @@ def train(
         if rank != 0:
             continue
         if validation and (update % config.validate_every == 0 or update == total_updates):
-            result = offline_acceptance(model, validation, config.steps)
-            history.append({"update": update, **asdict(result)})
-            (out_dir / "validation.json").write_text(json.dumps(history, indent=1))
-            length = result.mean_acceptance_length
-            if length > best["length"]:
-                best = {"length": length, "update": update, "model": _copy(model.state_dict())}
-            top1 = "/".join(f"{a:.2f}" for a in result.step_top1)
-            bar.write(
-                f"{desc} update {update}: validation acceptance length {length:.3f}, "
-                f"top-1 {top1} (best {best['length']:.3f} at update {best['update']})"
-            )
+            validate()
         if update % config.checkpoint_every == 0 or update == total_updates:
             torch.save(
                 {

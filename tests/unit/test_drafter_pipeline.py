@@ -224,3 +224,14 @@ def test_validation_curves_are_plotted_from_each_trainers_history(tmp_path):
         (tmp_path / name / "validation.json").write_text(json.dumps(history))
     out = plot_validation(tmp_path, ["eagle3", "eagle3.1", "never-trained"])
     assert out == tmp_path / "validation.png" and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_build_continuing_from_a_missing_drafter_stops_before_any_work(tmp_path):
+    from specserve.drafter.pipeline import PipelineConfig, run
+
+    (tmp_path / "start" / "eagle3").mkdir(parents=True)
+    (tmp_path / "start" / "eagle3" / "config.json").write_text("{}")
+    config = PipelineConfig(tmp_path / "work", "no-target", init_from=tmp_path / "start")
+    with pytest.raises(FileNotFoundError, match=r"no exported drafter in .*start/eagle3\.1$"):
+        run(config)
+    assert not (tmp_path / "work").exists()

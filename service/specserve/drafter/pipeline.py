@@ -62,6 +62,13 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
         train,
     )
 
+    if config.init_from:  # before an hour of data work, not after it
+        missing = [n for n in VARIANTS if not (config.init_from / n / "config.json").exists()]
+        if missing:
+            raise FileNotFoundError(
+                f"--init-from {config.init_from}: no exported drafter in "
+                + ", ".join(str(config.init_from / n) for n in missing)
+            )
     started = time.monotonic()
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)

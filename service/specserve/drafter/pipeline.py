@@ -91,13 +91,13 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     )
 
     exported = {}
+    # Read once for both drafters, and only when continuing (a new drafter reads its own).
+    embed = target_weights(config.target_dir)["embed"] if config.init_from else None
     for name, switches in VARIANTS.items():
         out = work / name
         if not (out / "export" / "config.json").exists():
             model = (
-                Drafter.from_pretrained(
-                    config.init_from / name, target_weights(config.target_dir)["embed"]
-                )
+                Drafter.from_pretrained(config.init_from / name, embed)
                 if config.init_from
                 else new_drafter(
                     config.target_dir,

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.context import _get_global_client
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
@@ -36,7 +37,6 @@ from specserve.serve_config import (
     DRAINING,
     ROUTER_DEPLOYMENT_NAME,
     ROUTER_DRAIN_S,
-    app_status_text,
     arm_app_name,
     arm_name_of_app,
 )
@@ -194,13 +194,29 @@ def _model_card(config: RouterConfig) -> dict[str, Any]:
     return {"id": config.model.name, "object": "model", "created": 0, "owned_by": "specserve"}
 
 
-def _routable(app_status: Any) -> bool:
+def _serve_applications() -> dict[str, dict[str, Any]]:
+    """Every Serve application's details as plain data (the schema of Serve's REST API). This is
+    what `serve.status()` reads, without building its pydantic models from it: those cost ~20 ms
+    of CPU per call, which the router replica paid under the GIL every second while serving."""
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # no Serve controller: nothing runs
+        return {}
+    return client.get_serve_details().get("applications") or {}
+
+
+def _state(value: Any) -> str:
+    return str(getattr(value, "value", value))  # Serve's state enums, or their text
+
+
+def _routable(app: dict[str, Any]) -> bool:
     """An arm takes traffic while every deployment of its application has a running replica:
     RUNNING, or DEPLOYING a new version while the old replicas still serve."""
-    if app_status_text(app_status) == RUNNING:
+    if _state(app.get("status")) == RUNNING:
         return True
-    deployments = app_status.deployments.values()
-    return bool(deployments) and all(d.replica_states.get(RUNNING, 0) > 0 for d in deployments)
+    deployments = (app.get("deployments") or {}).values()
+    return bool(deployments) and all(
+        any(_state(r.get("state")) == RUNNING for r in d.get("replicas") or ()) for d in deployments
+    )
 
 
 # `serve.ingress` pickles the app when the class is defined, so every helper it uses must
@@ -265,14 +281,14 @@ class Router:
             await asyncio.sleep(interval_s)
 
     async def _refresh_arm_states(self) -> None:
-        apps = (await asyncio.to_thread(serve.status)).applications
+        apps = await asyncio.to_thread(_serve_applications)
         statuses, running = {}, set()
-        for name, app_status in apps.items():
+        for name, app in apps.items():
             arm = arm_name_of_app(name)
             if arm is None:
                 continue
-            statuses[arm] = app_status_text(app_status)
-            if _routable(app_status):
+            statuses[arm] = _state(app.get("status"))
+            if _routable(app):
                 running.add(arm)
         self.statuses, self.running = statuses, frozenset(running)
         self._arm_states_known.set()
@@ -289,7 +305,9 @@ class Router:
         handle = self.handles.get(arm)
         if handle is None:
             try:
-                handle = serve.get_app_handle(arm_app_name(arm)).options(stream=True)
+                handle = serve.get_app_handle(arm_app_name(arm)).options(
+                    stream=True, _by_reference=False
+                )
             except Exception as exc:
                 raise OpenAIError(503, f"arm {arm!r} is not deployed yet") from exc
             self.handles[arm] = handle

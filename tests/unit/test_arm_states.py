@@ -1,0 +1,89 @@
+"""Which arms the router may route to, read from a real Ray Serve: running, starting, and
+redeploying with the old replica still serving."""
+
+import threading
+import time
+
+import pytest
+import ray
+from ray import serve
+from ray.serve.api import RunTarget
+
+from specserve.router.ingress import _routable, _serve_applications, _state
+
+RELEASE = "release"  # named actor whose flag lets a blocked replica constructor finish
+
+
+@ray.remote
+class Gate:
+    def __init__(self) -> None:
+        self.open = False
+
+    def release(self) -> None:
+        self.open = True
+
+    def is_open(self) -> bool:
+        return self.open
+
+
+@serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
+class Engine:
+    def __init__(self, version: str, block: bool) -> None:
+        gate = ray.get_actor(RELEASE)
+        while block and not ray.get(gate.is_open.remote()):
+            time.sleep(0.1)
+        self.version = version
+
+    def __call__(self) -> str:
+        return self.version
+
+
+@pytest.fixture(scope="module")
+def serve_instance():
+    ray.init(num_cpus=2, include_dashboard=False)
+    gate = Gate.options(name=RELEASE).remote()  # type: ignore[attr-defined]
+    try:
+        yield gate
+    finally:
+        ray.get(gate.release.remote())
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _apps_when(condition, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = _serve_applications()
+        if condition(apps) or time.monotonic() > deadline:
+            return apps
+        time.sleep(0.2)
+
+
+def test_running_starting_and_redeploying_arms(serve_instance):
+    serve.run(Engine.bind("v1", False), name="arm-a", route_prefix=None)
+    # A new arm whose only replica is still starting takes no traffic.
+    serve.run_many(
+        [RunTarget(Engine.bind("v1", True), name="arm-b", route_prefix=None)],
+        wait_for_applications_running=False,
+    )
+    # A new version of a running arm: DEPLOYING while an old replica still serves (Serve
+    # replaces one of the two at a time, and the new one cannot start).
+    redeploy = threading.Thread(
+        target=serve.run_many,
+        args=([RunTarget(Engine.bind("v2", True), name="arm-a", route_prefix=None)],),
+        kwargs={"wait_for_applications_running": False},
+    )
+    redeploy.start()
+    apps = _apps_when(
+        lambda a: _state(a.get("arm-a", {}).get("status")) == "DEPLOYING" and "arm-b" in a
+    )
+    redeploy.join()
+    assert _state(apps["arm-a"]["status"]) == "DEPLOYING"
+    assert _routable(apps["arm-a"])
+    assert _state(apps["arm-b"]["status"]) == "DEPLOYING"
+    assert not _routable(apps["arm-b"])
+
+    ray.get(serve_instance.release.remote())
+    apps = _apps_when(lambda a: all(_state(x["status"]) == "RUNNING" for x in a.values()))
+    assert _routable(apps["arm-a"]) and _routable(apps["arm-b"])
+    assert serve.get_app_handle("arm-a").remote().result() == "v2"

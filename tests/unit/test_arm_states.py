@@ -40,6 +40,8 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def serve_instance():
+    # A whole-suite run gets here with the integration tests' platform still connected.
+    ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False)
     gate = Gate.options(name=RELEASE).remote()  # type: ignore[attr-defined]
     try:

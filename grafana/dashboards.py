@@ -11,12 +11,12 @@ writes and what every query asks of Prometheus.
 - `specserve-engines`: vLLM's and Ray Serve's own metrics per arm (running and waiting requests,
   KV-cache usage, generated tokens, replicas).
 
-Each router replica exports its own series (Ray labels them with its WorkerId) and Kubernetes adds
-pod labels, so every query aggregates, with the helpers of grafana/promql.py: counters summed,
-gauges maxed, histograms summed by `le`, by (namespace, model, arm) (Ray Serve's series have no
-model: by (namespace, arm)). Locally there is no `namespace` label; the `namespace` variable's All
-is `.*`, which matches the absent label. Queries use only the variables `$namespace`, `$model`,
-`$arm` (always as `=~"$var"` matchers) and `$__rate_interval`.
+The router in each node's HTTP proxy exports its own series (Ray labels them with its WorkerId)
+and Kubernetes adds pod labels, so every query aggregates, with the helpers of grafana/promql.py:
+counters summed, gauges maxed, histograms summed by `le`, by (namespace, model, arm) (Ray Serve's
+series have no model: by (namespace, arm)). Locally there is no `namespace` label; the `namespace`
+variable's All is `.*`, which matches the absent label. Queries use only the variables
+`$namespace`, `$model`, `$arm` (always as `=~"$var"` matchers) and `$__rate_interval`.
 
 The panels are defined in grafana/panels.py; this module lays them out in rows, adds the template
 variables and the config-revision annotation, and renders and writes the JSON.

@@ -387,8 +387,8 @@ def config_panels() -> list[PanelBuilder]:
         ),
         graph(
             "Config reloads",
-            "New config revisions the router saw, by result (applied or invalid). Every router "
-            "replica reads the file itself: this is the most any one replica counted.",
+            "New config revisions the router saw, by result (applied or invalid). The router in "
+            "every pod's HTTP proxy reads the file itself: this is the most any one counted.",
             [(reloads, "{{result}}")],
             unit="short",
             width=12,

@@ -15,8 +15,12 @@ import httpx
 import pytest
 
 MODEL = "smollm2-135m-instruct"
-# Several router replicas share one node (and its metrics port): every test runs through two.
+# Several router replicas (the router's endpoints other than inference) share one node and its
+# metrics port: every test runs with two.
 ROUTER_REPLICAS = 2
+# Requests are routed by the dispatch in each node's HTTP proxy: one node, one dispatch. Each
+# counts config reloads, guardrail drains and queued requests of its own.
+PROXIES = 1
 # Ray exports recorded metrics every `metrics_report_interval_ms` (10 s by default, 1 s at least);
 # tests read them right after the requests that moved them.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
@@ -54,8 +58,8 @@ arms:
 
 
 # The ngram arm's bounded queues (the overload tests fill them): per engine replica, and per
-# router replica.
-NGRAM_ONGOING, NGRAM_QUEUED = 4, 8
+# HTTP proxy. 4 + 16 leaves room for the other tests' concurrent requests (8 at a time).
+NGRAM_ONGOING, NGRAM_QUEUED = 4, 16
 
 
 def render_config(no_spec_weight: float = 1, ngram_weight: float = 1, k: int = 3) -> str:
@@ -144,7 +148,7 @@ class Live:
     def write_config(self, text: str, *, expect_applied: bool = True, timeout_s: float = 30) -> str:
         """Replace the config file; wait until the router has applied (or rejected) it.
 
-        The watcher counts one reload per change it sees, so the wait is on that count: the
+        The dispatch counts one reload per change it sees, so the wait is on that count: the
         served revision alone may already equal `text` (a restore after a rejected file), and
         returning early would let the pending reload land in the next test's measurements.
         """
@@ -157,9 +161,9 @@ class Live:
         new = revision_of(text.encode())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            # Each router replica counts the change once.
+            # The dispatch of each proxy counts the change once.
             reloads = self.metric(CONFIG_RELOADS + "_total", result=result)
-            reloaded = reloads >= before + ROUTER_REPLICAS
+            reloaded = reloads >= before + PROXIES
             if reloaded and (not expect_applied or self.revision() == new):
                 return new
             time.sleep(0.2)
@@ -167,8 +171,8 @@ class Live:
 
     def metric(self, name: str, **labels: str) -> float:
         """The samples of `name` (as declared in metrics.py; Ray exports it with its prefix)
-        whose labels include `labels`, over the router replicas: summed for counters and
-        histograms, the largest for gauges (each replica sets the same value)."""
+        whose labels include `labels`, over the processes that record it: summed for counters
+        and histograms, the largest for gauges."""
         from specserve.metrics import EXPORT_PREFIX, scrape
 
         values = [

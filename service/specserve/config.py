@@ -98,13 +98,13 @@ class ArmEngineConfig(_Strict):
         None,
         ge=1,
         description="Requests one engine replica works on at once (vLLM batches them); the "
-        "rest wait in the router. Default: the engine's `max_num_seqs`, else 256.",
+        "rest wait in the HTTP proxy. Default: the engine's `max_num_seqs`, else 256.",
     )
     max_queued_requests: int = Field(
         64,
         ge=1,
-        description="Requests each router replica holds for this arm while its engines are "
-        "full; beyond that a request gets 429 with Retry-After at once.",
+        description="Requests each HTTP proxy (one per Ray node) holds for this arm while its "
+        "engines are full; beyond that a request gets 429 with Retry-After at once.",
     )
     engine: dict[str, Any] = Field(
         default_factory=dict,

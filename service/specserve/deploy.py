@@ -28,6 +28,8 @@ from specserve.engine.preflight import check_engine_settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
 from specserve.serve_config import (
+    PROXY_HOOK,
+    PROXY_HOOK_ENV,
     ROUTER_APP_NAME,
     ROUTER_DRAIN_S,
     app_status_text,
@@ -81,6 +83,9 @@ class Platform:
                 os.environ.setdefault(
                     "RAY_metrics_report_interval_ms", str(int(METRICS_REPORT_S * 1000))
                 )
+                # Every process of the local cluster inherits this: the HTTP proxy loads the
+                # dispatch, which routes the requests (router/dispatch.py).
+                os.environ[PROXY_HOOK_ENV] = PROXY_HOOK
                 ray.init(
                     num_cpus=s.ray_num_cpus,
                     include_dashboard=False,
@@ -89,8 +94,8 @@ class Platform:
         serve.start(http_options={"host": s.host, "port": s.port})
 
     def stop(self, *, drain: bool = True) -> None:
-        """Stop everything. With `drain`, every router replica first refuses new requests (503)
-        and finishes those in flight, streams included, for up to ROUTER_DRAIN_S while the arms
+        """Stop everything. With `drain`, the router first refuses new requests (503) and
+        finishes those in flight, streams included, for up to ROUTER_DRAIN_S while the arms
         keep serving them (skipped when start-up was interrupted: nothing serves yet). Then Ray
         stops, which on a local cluster ends every process it started; on a cluster joined by
         address, specserve's applications are deleted instead."""
@@ -136,7 +141,7 @@ class Platform:
             logger.exception("draining the router failed; stopping anyway")
 
     def _router_in_flight(self) -> float | None:
-        """Requests in flight over every router replica on this node, None if unknown."""
+        """Requests in flight through this node's HTTP proxy, None if unknown."""
         url = f"http://127.0.0.1:{self.settings.metrics_port}/metrics"
         name = EXPORT_PREFIX + REQUESTS_IN_FLIGHT
         try:
@@ -187,19 +192,24 @@ class Platform:
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:
                 raise DeployError(f"deployment failed: {failed}")
-            if all(status == "RUNNING" for status in statuses.values()) and self._router_ready():
+            ready = self._ready_body() if "RUNNING" in statuses.values() else {}
+            if ready.get("dispatch") is False:  # the proxies cannot route: it never will be
+                raise DeployError(ready["error"])
+            if all(status == "RUNNING" for status in statuses.values()) and ready.get("ready"):
                 return
             if time.monotonic() > deadline:
                 raise DeployError(f"not running after {timeout_s:g} s: {statuses}")
             time.sleep(1)
 
-    def _router_ready(self) -> bool:
-        # The router reads arm states in the background (about once a second).
+    def _ready_body(self) -> dict[str, Any]:
+        """The router's `/ready` answer ({} while it does not answer). It reads arm states in
+        the background, about once a second."""
         host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::") else self.settings.host
         try:
-            return httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5).is_success
-        except httpx.HTTPError:
-            return False
+            answer = httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5)
+            return answer.json() if answer.headers.get("content-type") == "application/json" else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
 
 
 def _local_cluster_processes() -> list[psutil.Process]:

@@ -10,3 +10,11 @@ CONFIG_REVISION = "x-specserve-config-revision"
 REQUEST_ID = "x-request-id"
 # Response: seconds to wait before retrying a 429/503 (overloaded arm, failed engine, draining).
 RETRY_AFTER = "retry-after"
+
+# Internal, between the dispatch (the router in each HTTP proxy) and the arms; a client's own
+# values are replaced or removed.
+# Request: seconds the arm may take for the whole request (the config's `request_timeout_s`).
+REQUEST_TIMEOUT_S = "x-specserve-request-timeout-s"
+# Response: the token count and speculative-decoding stats of a non-streaming answer, which the
+# dispatch records and removes (a stream carries them in its final usage chunk).
+USAGE = "x-specserve-usage"

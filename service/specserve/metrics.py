@@ -1,14 +1,14 @@
 """Every metric specserve exports, declared once.
 
-The router records through Ray's metrics API (`ray.util.metrics`): each Ray node's metrics agent
-exports what every process on that node recorded on one port (Ray's metrics export port, 8080 in
-the Helm chart, `SPECSERVE_METRICS_PORT` locally), next to vLLM's engine metrics and Ray Serve's
-own. Any number of router replicas per node share that port, each as its own series (Ray adds
-`WorkerId`); sum counters and take the max of gauges across them. Ray prefixes every exported
-name with `ray_`, so `specserve_requests` is scraped as `ray_specserve_requests_total`. Ray's
-exporter drops a gauge series two export intervals after its last update, so the router sets its
-gauges again every second (`refresh_gauges`); a removed arm's or an old revision's series then
-ages out like a cleared label set.
+The router (the dispatch in each Ray Serve HTTP proxy, router/dispatch.py) records through Ray's
+metrics API (`ray.util.metrics`): each Ray node's metrics agent exports what every process on that
+node recorded on one port (Ray's metrics export port, 8080 in the Helm chart,
+`SPECSERVE_METRICS_PORT` locally), next to vLLM's engine metrics and Ray Serve's own. Each node's
+proxy is its own series (Ray adds `WorkerId`); sum counters and take the max of gauges across
+them. Ray prefixes every exported name with `ray_`, so `specserve_requests` is scraped as
+`ray_specserve_requests_total`. Ray's exporter drops a gauge series two export intervals after its
+last update, so the router sets its gauges again every second (`refresh_gauges`); a removed arm's
+or an old revision's series then ages out like a cleared label set.
 
 Labels come only from small known sets: the model and arm names from the config, fixed outcome,
 selection and result words, draft positions below the configured k. Derived figures (PromQL,
@@ -246,7 +246,8 @@ class RouterMetrics:
         )
         self.requests_in_flight = Gauge(
             REQUESTS_IN_FLIGHT,
-            "Requests this router replica has started and not finished, streams included.",
+            "Requests the router (the dispatch in one HTTP proxy) has started and not finished, "
+            "streams included.",
             (MODEL,),
         )
         self.config_info = Gauge(

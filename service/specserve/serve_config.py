@@ -1,7 +1,9 @@
 """The Ray Serve config built from a router config: the one description of what runs.
 
-The router is one application; each arm is another, built by an importable builder from plain
-arguments (the model and the arm's engine part, without its weight). `specserve serve` deploys
+The router is one application (its settings, and the endpoints other than inference; requests are
+routed by the dispatch in every HTTP proxy, which reads those settings); each arm is another,
+built by an importable builder from plain arguments (the model and the arm's engine part, without
+its weight). `specserve serve` deploys
 this document to a local Ray cluster, `specserve config serve-config` prints it for `serve deploy`,
 and the Helm chart renders the same document into the RayService's `serveConfigV2`. Ray Serve
 compares each application's config with the running one and redeploys only those that changed:
@@ -16,13 +18,13 @@ from typing import Any
 from specserve.config import ArmConfig, RouterConfig
 
 ROUTER_APP_NAME = "specserve"
-# A router replica being stopped (scale-down, upgrade, `specserve serve` stopping) gets no new
-# requests and this long to finish the ones in flight, streams included.
+# A stopping platform gives the requests in flight this long to finish, streams included, while
+# new ones are refused.
 ROUTER_DRAIN_S = 10.0
 ROUTER_DEPLOYMENT_NAME = "router"
-# The router's Ray Serve `user_config` key that makes every replica refuse new requests (503)
-# and return from `reconfigure` once its in-flight ones are done: Ray Serve applies a user_config
-# change to all replicas without restarting them.
+# The router deployment's Ray Serve `user_config` key that makes the dispatch in every HTTP proxy
+# refuse new requests (503) while those in flight finish: Ray Serve applies a user_config change
+# without restarting anything, and the dispatch reads it from the controller.
 DRAINING = "draining"
 
 
@@ -37,9 +39,14 @@ def draining_router(app: dict[str, Any]) -> dict[str, Any]:
 ROUTER_BUILDER = "specserve.router.ingress:build_app"
 ARM_APP_PREFIX = "arm-"
 ARM_BUILDER = "specserve.engine.arm:build_app"
-# With `expose_arms`, each arm's own vLLM OpenAI server answers under this prefix, bypassing the
-# router (debugging, and measuring what the router adds).
+# Each arm's application answers HTTP under this prefix and its name; the dispatch routes
+# requests there. Clients reach it only with `expose_arms` (debugging, and measuring what the
+# router adds against the arm's own vLLM OpenAI server).
 ARM_ROUTE_PREFIX = "/arms/"
+# The router's request path runs in every Ray Serve HTTP proxy (router/dispatch.py), installed
+# through the proxy's callback hook: every Ray node's environment carries this variable.
+PROXY_HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_HOOK = "specserve.router.dispatch:middlewares"
 # Where the chart mounts the router config (a ConfigMap) in every Ray pod.
 MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
 HTTP_PORT = 8000
@@ -81,7 +88,7 @@ def arm_application(
         args["expose_http"] = True
     return {
         "name": arm_app_name(arm.name),
-        "route_prefix": ARM_ROUTE_PREFIX + arm.name if expose_http else None,
+        "route_prefix": ARM_ROUTE_PREFIX + arm.name,
         "import_path": ARM_BUILDER,
         "args": args,
     }

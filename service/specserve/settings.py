@@ -30,15 +30,19 @@ class Settings(BaseSettings):
         "metrics of this node, in Prometheus format at /metrics.",
     )
     router_replicas: int = Field(
-        1, ge=1, description="Router replicas; any number share a node's metrics export port."
+        1,
+        ge=1,
+        description="Replicas of the router application (`/ready`, `/v1/models`, "
+        "`/openapi.json`); inference requests are routed in the HTTP proxies.",
     )
     config_poll_s: float = Field(
         1.0, gt=0, description="How often the config file is checked for a new revision."
     )
     expose_arms: bool = Field(
         False,
-        description="Also serve each arm's own vLLM OpenAI API under /arms/<name>/v1, bypassing "
-        "the router (debugging; the router-overhead benchmark compares the two paths).",
+        description="Let clients reach each arm's own routes, bypassing the router: its OpenAI "
+        "front under /arms/<name>/v1 and vLLM's own OpenAI server under /arms/<name>/vllm/v1 "
+        "(debugging; the router-overhead benchmark compares the router with the latter).",
     )
     ray_address: str | None = Field(
         None, description="Join this Ray cluster instead of starting a local one."

@@ -11,7 +11,7 @@ import yaml
 
 from specserve import cluster_config
 from specserve.config import parse_config, revision_of
-from specserve.serve_config import MOUNTED_CONFIG_PATH, serve_config
+from specserve.serve_config import MOUNTED_CONFIG_PATH, PROXY_HOOK, PROXY_HOOK_ENV, serve_config
 from tests.deploy.conftest import (
     by_kind,
     generate,
@@ -89,6 +89,16 @@ def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendere
     assert document == expected
     # Weights are not part of it: a weight change never redeploys an engine.
     assert "weight" not in json.dumps(document)
+
+
+def test_every_ray_container_loads_the_dispatch_into_its_http_proxy(rendered):
+    """Requests are routed by the dispatch in each node's HTTP proxy: without it they reach the
+    router application, which refuses them with 503."""
+    _, objs = rendered
+    for pod in pod_specs(objs):
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env[PROXY_HOOK_ENV] == PROXY_HOOK, container["name"]
 
 
 def test_pods_pass_the_restricted_pod_security_profile(rendered):

@@ -83,9 +83,15 @@ def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITH
     return took
 
 
+# Streams in flight at Ctrl-C are long enough to outlast the drain's start and short enough to
+# finish within its 10 s with three at once on a 2-core machine in float32 (about 8 tokens/s
+# each there: 100 tokens took 12.7 s).
+IN_FLIGHT_TOKENS = 40
+
+
 def stream_to_the_end(port: int, started: threading.Event, results: list) -> None:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    with httpx.stream("POST", url, json=long_stream(100), timeout=120) as response:
+    with httpx.stream("POST", url, json=long_stream(IN_FLIGHT_TOKENS), timeout=120) as response:
         events = []
         for line in response.iter_lines():
             if line.startswith("data: "):

@@ -3,7 +3,7 @@
 import pytest
 
 from specserve import headers
-from tests.conftest import MODEL, ROUTER_REPLICAS
+from tests.conftest import MODEL, PROXIES
 
 pytestmark = pytest.mark.slow
 
@@ -16,10 +16,9 @@ def test_invalid_file_keeps_last_good_config(live, restore_config, bad):
     invalid_before = live.metric("specserve_config_reloads_total", result="invalid")
     live.write_config(bad, expect_applied=False)
 
-    # Counted once by each router replica.
-    assert (
-        live.metric("specserve_config_reloads_total", result="invalid")
-        == invalid_before + ROUTER_REPLICAS
+    # Counted once by the dispatch of each proxy.
+    assert live.metric("specserve_config_reloads_total", result="invalid") == (
+        invalid_before + PROXIES
     )
     assert live.metric("specserve_config_last_reload_successful") == 0
     assert live.metric("specserve_config_info", revision=good_revision) == 1
@@ -44,6 +43,7 @@ def test_arm_that_is_not_running_gets_no_weighted_or_sticky_traffic(live, restor
         "revision": revision,
         "waiting": {"ghost": "NOT_DEPLOYED"},
         "draining": False,
+        "dispatch": True,
     }
 
     fallbacks_before = live.metric("specserve_routing_fallbacks_total", arm="ghost")

@@ -114,6 +114,25 @@ def test_unknown_arm_override(live):
     assert_openai_error(response, 400, param=headers.ARM_OVERRIDE, contains="unknown arm")
 
 
+def test_internal_headers_cannot_be_forged_and_never_leak(live):
+    """The router's own headers between proxy and arm: a client's values are replaced, and the
+    arm's usage header never reaches the client."""
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 8}
+    forged = {headers.REQUEST_TIMEOUT_S: "0.001"}
+    for stream in (False, True):
+        response = live.http.post(CHAT, json={**body, "stream": stream}, headers=forged)
+        assert response.status_code == 200, response.text
+        assert "[DONE]" in response.text if stream else response.json()["choices"]
+        assert headers.USAGE not in response.headers
+
+
+def test_arm_routes_are_internal(live):
+    """Clients reach an arm only through the router (unless the platform exposes the arms)."""
+    for path in ("/arms/no-spec/v1/chat/completions", "/arms/no-spec/vllm/v1/chat/completions"):
+        response = live.http.post(path, json={"model": MODEL, "messages": MSG, "max_tokens": 2})
+        assert_openai_error(response, 404, contains="no route")
+
+
 def test_body_too_large(live):
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}
     assert_openai_error(live.http.post(CHAT, json=huge), 413, contains="limit")

@@ -12,7 +12,7 @@ import pytest
 from specserve import headers
 from specserve.config import load_config
 from specserve.metrics import ARM_DRAINED, EXPORT_PREFIX, GUARDRAIL_DRAINS, scrape
-from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, ROUTER_REPLICAS
+from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,9 @@ def arms_of(live, n: int) -> list[str]:
     return [live.http.post(CHAT, json=body).headers[headers.ARM] for _ in range(n)]
 
 
-def replicas_draining(live, arm: str) -> int:
-    """How many router replicas hold `arm` drained (each exports its own gauge series)."""
+def routers_draining(live, arm: str) -> int:
+    """How many routers (the dispatch of each HTTP proxy) hold `arm` drained (each exports its
+    own gauge series)."""
     return sum(
         int(s.value)
         for _, s in scrape(live.metrics_url)
@@ -69,18 +70,18 @@ def check_drain_and_return(live, with_arm: str) -> None:
         "messages": [{"role": "user", "content": "Tell me about the moon."}],
         "max_tokens": 32,
     }
-    # Override traffic feeds the guardrail of whichever router replica serves it, until every
-    # replica has drained the arm (the proxy may favour one replica for a while).
+    # Override traffic feeds the guardrail of the proxy that routes it, until every proxy's
+    # dispatch has drained the arm.
     lengths = []
     for _ in range(120):
         response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
         assert response.status_code == 200
         lengths.append(mean_acceptance_length(response))
-        if replicas_draining(live, ARM) == ROUTER_REPLICAS:
+        if routers_draining(live, ARM) == PROXIES:
             break
     else:
-        raise AssertionError(f"{ARM} was not drained by every router replica")
-    live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + ROUTER_REPLICAS, arm=ARM)
+        raise AssertionError(f"{ARM} was not drained by every router")
+    live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + PROXIES, arm=ARM)
     mean = sum(lengths) / len(lengths)
     print(f"{ARM}: drained after {len(lengths)} requests, mean acceptance length {mean:.2f}")
     assert mean < FLOOR
@@ -94,6 +95,6 @@ def check_drain_and_return(live, with_arm: str) -> None:
     live.write_config(with_arm + GUARDRAIL.format(floor=1.0))
     assert ARM in set(arms_of(live, 30))
     deadline = time.monotonic() + 10  # the gauges follow within an export interval
-    while replicas_draining(live, ARM) and time.monotonic() < deadline:
+    while routers_draining(live, ARM) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert replicas_draining(live, ARM) == 0
+    assert routers_draining(live, ARM) == 0

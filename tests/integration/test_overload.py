@@ -13,7 +13,7 @@ import pytest
 
 from specserve import headers
 from specserve.metrics import NO_ARM, OUTCOME, OUTCOME_REJECTED, REQUESTS
-from tests.conftest import MODEL, NGRAM_ONGOING, NGRAM_QUEUED, ROUTER_REPLICAS, long_stream
+from tests.conftest import MODEL, NGRAM_ONGOING, NGRAM_QUEUED, PROXIES, long_stream
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _post(live, body: dict, arm: str) -> tuple[httpx.Response, float]:
 
 
 def test_three_times_capacity_gets_429_with_retry_after_and_the_rest_is_served(live):
-    capacity = NGRAM_ONGOING + NGRAM_QUEUED * ROUTER_REPLICAS
+    capacity = NGRAM_ONGOING + NGRAM_QUEUED * PROXIES
     offered = 3 * capacity
     # Admitted requests outlast the burst (no early stop at end-of-sequence): a slot freed while
     # the burst is still arriving would admit more than the queues hold and blur the count.

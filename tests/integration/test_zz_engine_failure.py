@@ -44,8 +44,8 @@ def wait_for_replicas(app: str, n: int, timeout_s: float = 420) -> None:
 
 def busy_replica_pid(app: str) -> int:
     """The replica of `app` using the most CPU now: under load, one with requests in flight, so
-    that killing it hits them. (The router reaches replicas over gRPC, so a process title does
-    not name the request it runs.)"""
+    that killing it hits them. (A replica's process title does not name the requests it
+    streams.)"""
     replicas = [
         p
         for p in psutil.process_iter(["pid", "cmdline"])

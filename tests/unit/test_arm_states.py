@@ -9,7 +9,9 @@ import ray
 from ray import serve
 from ray.serve.api import RunTarget
 
-from specserve.router.ingress import _routable, _serve_applications, _state
+from specserve.router.arm_states import routable as _routable
+from specserve.router.arm_states import serve_applications as _serve_applications
+from specserve.router.arm_states import state as _state
 
 RELEASE = "release"  # named actor whose flag lets a blocked replica constructor finish
 

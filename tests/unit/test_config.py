@@ -153,7 +153,9 @@ def test_serve_config_is_the_router_app_plus_one_app_per_arm_without_weights():
     # A weight change leaves the Serve config as it is: Ray Serve redeploys nothing.
     assert serve_config(heavier) == serve_config(config)
     ngram = document["applications"][2]
-    assert ngram["route_prefix"] is None  # reached through the router only
+    # The arm's route, where the dispatch sends its requests; clients only with `expose_arms`.
+    assert ngram["route_prefix"] == "/arms/ngram"
+    assert "expose_http" not in ngram["args"]
     assert ngram["args"]["arm"]["speculative"]["num_speculative_tokens"] == 3
 
 

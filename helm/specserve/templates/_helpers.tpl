@@ -83,7 +83,7 @@ same document from the same router config; a test keeps the two equal. */}}
 {{- $apps := list $router }}
 {{- range .Values.config.arms }}
 {{- $args := dict "model" $.Values.config.model "arm" (omit . "weight") }}
-{{- $apps = append $apps (dict "name" (printf "arm-%s" .name) "route_prefix" nil "import_path" "specserve.engine.arm:build_app" "args" $args) }}
+{{- $apps = append $apps (dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args) }}
 {{- end }}
 {{- toYaml (dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" $apps) }}
 {{- end }}
@@ -133,6 +133,10 @@ and the router config from its ConfigMap. */}}
 {{- define "specserve.env" -}}
 - name: SPECSERVE_CONFIG
   value: /etc/specserve/config.yaml
+# The HTTP proxy of every Ray node loads specserve's dispatch, which routes inference requests
+# straight to the chosen arm's replicas.
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: specserve.router.dispatch:middlewares
 {{- if .Values.modelCache.enabled }}
 - name: HF_HOME
   value: {{ printf "%s/huggingface" .Values.modelCache.mountPath }}

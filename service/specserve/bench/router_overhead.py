@@ -1,10 +1,11 @@
 """What the router adds to a request: router vs. calling the arm directly, side by side.
 
-Starts the platform with every arm also exposed over HTTP (`/arms/<name>/v1`, vLLM's own server
-in the arm's replica), then sends the same tiny request alternately through the router (forced
-onto the arm with the override header) and straight to the arm, so both paths see the same engine
-state and machine load. Reports client-side latency percentiles per path and of the paired
-differences.
+Starts the platform with every arm also exposed over HTTP (`/arms/<name>/vllm/v1`, vLLM's own
+OpenAI server in the arm's replica), then sends the same tiny request alternately through the
+router (the dispatch in the HTTP proxy, forced onto the arm with the override header, then the
+arm's specserve front) and straight to vLLM's server in the same replica, so both paths see the
+same engine state and machine load. Reports client-side latency percentiles per path and of the
+paired differences.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import httpx
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.engine.front import VLLM_APP_PREFIX
+from specserve.serve_config import ARM_ROUTE_PREFIX
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -44,7 +47,7 @@ def timed(client: httpx.Client, url: str, body: dict, hdrs: dict[str, str], stre
 def measure(base_url: str, model: str, arm: str, rounds: int, stream: bool) -> dict:
     body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
     router_url = f"{base_url}/v1/completions"
-    direct_url = f"{base_url}/arms/{arm}/v1/completions"
+    direct_url = f"{base_url}{ARM_ROUTE_PREFIX}{arm}{VLLM_APP_PREFIX}/v1/completions"
     override = {headers.ARM_OVERRIDE: arm}
     router, direct = [], []
     with httpx.Client(timeout=60) as client:

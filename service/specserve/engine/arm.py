@@ -1,7 +1,9 @@
 """Build the Ray Serve LLM application that serves one arm.
 
 Each arm is its own Serve application (`arm-<name>`, see serve_config.py), so adding, changing or
-removing one arm redeploys that arm only; the router reaches it through a deployment handle.
+removing one arm redeploys that arm only. Its replicas answer HTTP under the arm's route with
+specserve's OpenAI front (engine/front.py), where the dispatch in each HTTP proxy sends the
+requests it routes to the arm.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from typing import Any
 
 from ray import serve
 from ray.serve.deployment import Application
-from ray.serve.llm import LLMConfig, LLMServer, build_llm_deployment
+from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from specserve.config import ArmEngineConfig, ModelConfig
+from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
 from specserve.serve_config import arm_app_name
@@ -32,8 +35,8 @@ OVERLOAD_RETRY_AFTER_S = 1
 
 def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
     """Ray Serve options of the arm's engine deployment: replicas and bounded queues. An engine
-    replica takes what it can batch; the excess waits in each router's handle queue, and
-    beyond that is refused at once instead of waiting without bound."""
+    replica takes what it can batch; the excess waits in each HTTP proxy's queue for the arm,
+    and beyond that is refused at once instead of waiting without bound."""
     max_ongoing = arm.max_ongoing_requests or int(
         arm.engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     )
@@ -90,10 +93,10 @@ def build_app(args: dict[str, Any]) -> Application:
     `{model, arm, expose_http?}` as `serve_config.arm_application` writes them."""
     arm = ArmEngineConfig.model_validate(args["arm"])
     model = ModelConfig.model_validate(args["model"])
-    # `expose_http` also serves vLLM's own HTTP app from the replica, under the arm's prefix.
-    expose_http = bool(args.get("expose_http", False))
     return build_llm_deployment(
         build_llm_config(arm, model),
         override_serve_options={"name": arm_app_name(arm.name)},
-        deployment_cls=serve.ingress()(LLMServer) if expose_http else None,
+        deployment_cls=serve.ingress()(ArmServer),
+        # `expose_http`: the replica also serves vLLM's own OpenAI app, to clients too.
+        bind_kwargs={"arm": arm.name, "expose_vllm": bool(args.get("expose_http", False))},
     )

@@ -6,6 +6,7 @@ traceback in the log under the request id.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException
 
 logger = logging.getLogger(__name__)
 
+# What a client reads at the end of a stream whose engine failed mid-way.
+MID_STREAM_FAILURE = "the model failed mid-stream; the answer is incomplete"
 # Status of a response nobody receives (nginx's convention for a client that left).
 CLIENT_CLOSED_REQUEST = 499
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -72,6 +75,11 @@ def error_body(status: int, message: str, *, param=None, code=None, type=None) -
     }
 
 
+def error_event(status: int, message: str) -> str:
+    """The end of a stream cut short: an OpenAI error event, then `[DONE]`."""
+    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
     body = error_body(err.status, err.message, param=err.param, code=err.code, type=err.type)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
@@ -96,18 +104,24 @@ def _names_a_field(part: object) -> bool:
     return bool(_FIELD_NAME.fullmatch(str(part))) and part not in _TYPE_TAGS
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, headers: dict[str, str] | None = None) -> None:
+    """OpenAI-style answers for every error `app` raises; `headers` go on each of them."""
+
+    def answer(err: OpenAIError) -> JSONResponse:
+        err.headers = {**(headers or {}), **(err.headers or {})}
+        return error_response(err)
+
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation_error(exc))
+        return answer(from_validation_error(exc))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        return answer(OpenAIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -116,4 +130,4 @@ def install_error_handlers(app: FastAPI) -> None:
             logger.info("request %s: client disconnected", request_id())
             return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
         logger.exception("request %s failed", request_id())
-        return error_response(OpenAIError(500, "Internal Server Error", type="server_error"))
+        return answer(OpenAIError(500, "Internal Server Error", type="server_error"))

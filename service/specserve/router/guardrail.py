@@ -6,7 +6,8 @@ at below no-spec speed. The guardrail keeps, per arm, the verify steps and accep
 of the requests that finished within the window; when there are enough steps to judge and the
 mean acceptance length (1 + accepted / steps, vLLM's definition) is below the floor, the arm is
 drained: weighted and sticky traffic goes to the other arms for `drain_s`, then it takes traffic
-again and is judged on fresh requests only. Each router replica judges the traffic it saw.
+again and is judged on fresh requests only. Each router (the dispatch in one HTTP proxy) judges
+the traffic it saw.
 """
 
 from __future__ import annotations

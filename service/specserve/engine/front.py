@@ -1,0 +1,163 @@
+"""An arm's OpenAI front: the HTTP app of the arm's engine replica, which the dispatch (the router
+in each HTTP proxy) routes requests to.
+
+It validates the request schema (engine/validation.py) and runs it on the replica's own engine,
+in process: a stream passes through chunk by chunk and always ends with the usage chunk (the
+token count and vLLM's per-request speculative-decoding stats, which the dispatch records and
+drops when the client did not ask for usage); a non-streaming answer carries the same in an
+internal header. Every answer names the arm, which is how the dispatch tells the arm's answers
+from Ray Serve's own. The request's time limit comes from the dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray.serve.llm import LLMConfig, LLMServer
+
+from specserve import headers
+from specserve.engine.validation import validate_request
+from specserve.router.errors import (
+    MID_STREAM_FAILURE,
+    OpenAIError,
+    error_event,
+    install_error_handlers,
+    request_id,
+)
+from specserve.router.requests import CHAT, COMPLETIONS, PATHS, parse_body
+
+logger = logging.getLogger(__name__)
+
+_SSE_DONE = "data: [DONE]"
+# Under the arm's route, where an arm deployed with `expose_http` also serves vLLM's own OpenAI
+# app (what the router-overhead benchmark compares against).
+VLLM_APP_PREFIX = "/vllm"
+# A request that reaches the arm without the dispatch's time limit (an exposed arm's own route).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class ArmServer(LLMServer):
+    """Ray Serve LLM's engine server with specserve's OpenAI front as its HTTP app."""
+
+    async def __init__(self, llm_config: LLMConfig, *, arm: str, expose_vllm: bool = False):  # type: ignore[misc]  # Serve awaits an async constructor
+        self.arm = arm
+        self.expose_vllm = expose_vllm
+        await super().__init__(llm_config)
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title=f"specserve arm {self.arm}", docs_url=None, openapi_url=None)
+        install_error_handlers(app, headers={headers.ARM: self.arm})
+
+        @app.post(PATHS[CHAT])
+        async def chat(request: Request) -> Response:
+            return await self._serve(request, CHAT)
+
+        @app.post(PATHS[COMPLETIONS])
+        async def completions(request: Request) -> Response:
+            return await self._serve(request, COMPLETIONS)
+
+        if self.expose_vllm:
+            app.mount(VLLM_APP_PREFIX, await super().__serve_build_asgi_app__())
+        return app
+
+    async def _serve(self, request: Request, endpoint: str) -> Response:
+        answer_headers = {headers.ARM: self.arm}
+        try:
+            data = parse_body(await request.body())
+            body = validate_request(data, endpoint)
+            if endpoint == CHAT:
+                # The messages as plain JSON, as the engine has always been given them: the
+                # validated ones can hold one-shot pydantic iterators.
+                body.messages = data["messages"]
+            timeout_s = float(request.headers.get(headers.REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S))
+            # LLMServer.chat / .completions: the replica's engine, in this process.
+            generator = await getattr(self, endpoint)(body, None)
+            return await respond(generator, body, answer_headers, timeout_s)
+        except OpenAIError as exc:
+            exc.headers = {**answer_headers, **(exc.headers or {})}  # the arm answered
+            raise
+
+
+async def respond(
+    generator: AsyncIterator[Any], body: Any, answer_headers: dict[str, str], timeout_s: float
+) -> Response:
+    """The HTTP response for the engine's output; `timeout_s` bounds the whole request, a stream
+    included."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        async with asyncio.timeout_at(deadline):
+            first = await anext(generator)
+    except TimeoutError:
+        await _close(generator)
+        raise OpenAIError(504, f"no response from the model within {timeout_s:g} s") from None
+    chunk = first[0] if isinstance(first, list) else first
+    error = getattr(chunk, "error", None)  # an ErrorResponse (vLLM's or Ray's class)
+    if error is not None:
+        await _close(generator)
+        status = int(error.code) if str(error.code).isdigit() else 500
+        if status >= 500:
+            logger.error("request %s: engine error %s: %s", request_id(), status, error.message)
+            raise OpenAIError(status, "Internal Server Error", type="server_error")
+        raise OpenAIError(status, error.message, type=error.type, param=error.param)
+
+    if not getattr(body, "stream", False):
+        payload = chunk.model_dump(mode="json", exclude_none=True)
+        usage = {"usage": payload.get("usage"), "metrics": payload.get("metrics")}
+        return Response(
+            json.dumps(payload),
+            media_type="application/json",
+            headers={**answer_headers, headers.USAGE: json.dumps(usage)},
+        )
+    return StreamingResponse(
+        _stream(first, generator, deadline, timeout_s),
+        media_type="text/event-stream",
+        headers=answer_headers,
+    )
+
+
+async def _stream(
+    first: Any, rest: AsyncIterator[Any], deadline: float, timeout_s: float
+) -> AsyncIterator[str]:
+    """Pass the stream through. It always ends with `[DONE]`; one cut short (timeout, a failed
+    engine) ends with an OpenAI error event first, never silently."""
+    done_sent = False
+    try:
+        item = first
+        while True:
+            for event in item if isinstance(item, list) else [item]:
+                text = event if isinstance(event, str) else f"data: {event.model_dump_json()}\n\n"
+                if text.startswith(_SSE_DONE):
+                    done_sent = True
+                yield text
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(rest)
+            except StopAsyncIteration:
+                break
+        if not done_sent:
+            yield f"{_SSE_DONE}\n\n"
+    except TimeoutError:
+        logger.warning("request %s: stream cut at %g s", request_id(), timeout_s)
+        yield error_event(504, f"the request ran longer than {timeout_s:g} s and was stopped")
+    except Exception:
+        # The status line is sent; the client learns of the failure from the error event.
+        logger.exception("request %s: stream failed", request_id())
+        yield error_event(500, MID_STREAM_FAILURE)
+    finally:
+        await _close(rest)
+
+
+async def _close(generator: AsyncIterator[Any]) -> None:
+    """End the engine's generator, which aborts the request in the engine if it still runs."""
+    close = getattr(generator, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except Exception:
+            logger.debug("closing the engine's stream failed", exc_info=True)

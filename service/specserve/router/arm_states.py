@@ -1,0 +1,97 @@
+"""What runs, read from the Ray Serve controller by the dispatch in every HTTP proxy: which
+arms take traffic, and the router application's settings (its config path and poll interval in
+its args, `draining` in its user_config).
+
+One read of the controller's plain details (the data behind Serve's REST API, ~1 ms of CPU).
+`serve.status()` reads the same data but builds pydantic models from it, ~20 ms of CPU per call
+under the caller's GIL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.context import _get_global_client
+
+from specserve.serve_config import (
+    DRAINING,
+    ROUTER_APP_NAME,
+    ROUTER_DEPLOYMENT_NAME,
+    arm_name_of_app,
+)
+
+RUNNING = "RUNNING"
+# How often the dispatch asks Ray Serve which arms run.
+POLL_S = 1.0
+# How long a request that arrives before the first answer waits for it.
+FIRST_READ_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServeState:
+    """One read of what Ray Serve runs."""
+
+    statuses: dict[str, str] = field(default_factory=dict)  # arm -> its application's status
+    running: frozenset[str] = frozenset()  # arms that may take traffic (see `routable`)
+    router_args: dict[str, Any] | None = None  # None: no specserve router application
+    draining: bool = False  # the router application is switched to draining
+    exposed: frozenset[str] = frozenset()  # arms deployed with `expose_http`
+
+
+def serve_applications() -> dict[str, dict[str, Any]]:
+    """Every Serve application's details as plain data (the schema of Serve's REST API). The
+    client is Ray's private one (Ray is pinned in constraints.txt), as `serve.status()` uses it.
+    Blocking: call it from a thread in an event loop."""
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # no Serve controller: nothing runs
+        return {}
+    return client.get_serve_details().get("applications") or {}
+
+
+def read_serve_state() -> ServeState:
+    statuses, running, exposed = {}, set(), set()
+    router_args, draining = None, False
+    for name, app in serve_applications().items():
+        deployed = app.get("deployed_app_config") or {}
+        if name == ROUTER_APP_NAME:
+            router_args = dict(deployed.get("args") or {})
+            draining = _router_draining(deployed)
+            continue
+        arm = arm_name_of_app(name)
+        if arm is None:
+            continue
+        statuses[arm] = state(app.get("status"))
+        if routable(app):
+            running.add(arm)
+        if (deployed.get("args") or {}).get("expose_http"):
+            exposed.add(arm)
+    return ServeState(
+        statuses=statuses,
+        running=frozenset(running),
+        router_args=router_args,
+        draining=draining,
+        exposed=frozenset(exposed),
+    )
+
+
+def _router_draining(deployed: dict[str, Any]) -> bool:
+    for deployment in deployed.get("deployments") or ():
+        if deployment.get("name") == ROUTER_DEPLOYMENT_NAME:
+            return bool((deployment.get("user_config") or {}).get(DRAINING))
+    return False
+
+
+def state(value: Any) -> str:
+    return str(getattr(value, "value", value))  # Serve's state enums, or their text
+
+
+def routable(app: dict[str, Any]) -> bool:
+    """An arm takes traffic while every deployment of its application has a running replica:
+    RUNNING, or DEPLOYING a new version while the old replicas still serve."""
+    if state(app.get("status")) == RUNNING:
+        return True
+    deployments = (app.get("deployments") or {}).values()
+    return bool(deployments) and all(
+        any(state(r.get("state")) == RUNNING for r in d.get("replicas") or ()) for d in deployments
+    )

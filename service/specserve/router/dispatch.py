@@ -1,0 +1,564 @@
+"""The router's request path, inside Ray Serve's HTTP proxy: one ASGI middleware per proxy.
+
+Per inference request (`POST /v1/chat/completions`, `/v1/completions`): read the body, check it
+against the config (size, model, limits), pick the arm (override header > sticky key > random by
+weight, among the arms whose engines run and the guardrail has not drained), and hand the request
+to the proxy's own routing under the arm's route (`/arms/<name>/v1/...`), so Ray Serve sends it
+straight to a replica of the arm, which validates the schema and serves it from its engine
+(engine/front.py). There is no router replica between proxy and arm: that hop cost 2-5 ms.
+On the way back the dispatch names the arm and config revision in the response headers, records
+the request in the per-arm metrics (latency, tokens, acceptance, outcome), feeds the acceptance
+guardrail, replays a request once whose arm replica died before answering, and turns Ray Serve's
+own refusals (a full queue, no replica) into OpenAI errors.
+
+Everything else (`/ready`, `/v1/models`, `/openapi.json`, ...) passes through to the router
+application, which also carries the dispatch's settings: the config path and poll interval in its
+args, `draining` in its user_config, read from the Serve controller about once a second.
+
+Installed with the proxy's callback hook, in the environment of every Ray node:
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=specserve.router.dispatch:middlewares` (the chart and
+`specserve serve` set it). Without a specserve router application on the cluster it does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ray.serve._private.constants import SERVE_LOGGER_NAME
+from starlette.middleware import Middleware
+
+from specserve import headers
+from specserve.config import ConfigError, LoadedConfig, load_config
+from specserve.engine.preflight import check_engine_settings
+from specserve.metrics import OUTCOME_CANCELLED, OUTCOME_SERVER_ERROR, RouterMetrics
+from specserve.router.arm_states import (
+    FIRST_READ_WAIT_S,
+    POLL_S,
+    RUNNING,
+    ServeState,
+    read_serve_state,
+)
+from specserve.router.errors import MID_STREAM_FAILURE, OpenAIError, error_body, error_event
+from specserve.router.guardrail import AcceptanceGuard
+from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
+from specserve.router.requests import (
+    ENDPOINT_OF_PATH,
+    READY_PATH,
+    body_too_large,
+    check_limits,
+    parse_body,
+    wants_usage,
+)
+from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
+from specserve.serve_config import ARM_ROUTE_PREFIX
+from specserve.watch import ConfigWatcher
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_ARM = headers.ARM.encode()
+_USAGE = headers.USAGE.encode()
+_TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
+_SSE_EVENT_END = b"\n\n"
+_ERROR_EVENT = b'data: {"error"'
+
+
+def middlewares() -> list[Middleware]:
+    """The proxy callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`)."""
+    # The proxy logs through Ray Serve's logger (its file: serve/proxy_<ip>.log), which does not
+    # propagate; specserve's records in this process (config reloads, drains) go there too.
+    package = logging.getLogger("specserve")
+    package.setLevel(logging.INFO)
+    package.propagate = False
+    package.addHandler(_ToServeLog())
+    return [Middleware(Dispatch)]
+
+
+class _ToServeLog(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(SERVE_LOGGER_NAME).handle(record)
+
+
+class Dispatch:
+    """The ASGI middleware around the proxy's app; its state lives as long as the proxy."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.state: DispatchState | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state is None:  # the first request: the proxy's event loop runs now
+            self.state = DispatchState()
+        path = scope["path"]
+        endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
+        if endpoint is not None:
+            await self.state.serve(self.app, scope, receive, send, endpoint)
+        elif path == READY_PATH and scope["method"] == "GET":
+            await self.state.ready(self.app, scope, receive, send)
+        elif path.startswith(ARM_ROUTE_PREFIX):
+            await self.state.pass_to_arm(self.app, scope, receive, send)
+        else:  # the router application's endpoints
+            await self.app(scope, receive, send)
+
+
+class DispatchState:
+    """What the dispatch of one proxy knows: the config, the arms that run, the guardrail, and
+    the requests in flight; it records the router's metrics."""
+
+    def __init__(self) -> None:
+        self.serve_state = ServeState()
+        self.loaded: LoadedConfig | None = None
+        self.watcher: ConfigWatcher | None = None
+        self.metrics: RouterMetrics | None = None
+        self.guard: AcceptanceGuard | None = None
+        self.in_flight = InFlight()
+        self._first_read = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._watch_serve()),
+            loop.create_task(self._watch_config()),
+        ]
+
+    # -- settings, config and arm states ----------------------------------------------------
+
+    async def _watch_serve(self) -> None:
+        while True:
+            try:
+                state = await asyncio.to_thread(read_serve_state)
+                self.serve_state = state
+                if state.router_args is not None:
+                    await self._follow_config(state.router_args)
+                if self.metrics is not None and self.guard is not None and self.loaded:
+                    self.metrics.set_drained(self.guard.drained())
+                    self.metrics.set_in_flight(self.in_flight.count)
+                    weights = self.loaded.config.weights
+                    self.metrics.set_running({arm: arm in state.running for arm in weights})
+            except Exception:
+                logger.exception("reading Ray Serve's state failed; keeping the last")
+            self._first_read.set()
+            await asyncio.sleep(POLL_S)
+
+    async def _follow_config(self, router_args: dict[str, Any]) -> None:
+        """Load the config the router application names (once, or again if it names another)."""
+        path = str(router_args.get("config_path", ""))
+        if self.loaded is not None and self.loaded.path == path:
+            return
+        try:
+            loaded = await asyncio.to_thread(load_config, path)
+        except ConfigError as exc:
+            logger.error("dispatch cannot route yet: %s", exc)
+            return
+        if self.metrics is None:
+            self.metrics = RouterMetrics(loaded.config.model.name)
+            self.guard = AcceptanceGuard(loaded.config.guardrail)
+        self.watcher = ConfigWatcher(path, loaded, self._apply, self.metrics.count_reload)
+        self._apply(loaded)
+        self.metrics.set_last_reload(ok=True)
+        logger.info("dispatch routing with config revision %s from %s", loaded.revision, path)
+        # Checking a revision's engine settings imports vLLM's argument parser (~20 s of CPU):
+        # do it now, while the platform starts, so that the first change applies at once.
+        self._tasks.append(asyncio.get_running_loop().create_task(self._check_engines(loaded)))
+
+    async def _check_engines(self, loaded: LoadedConfig) -> None:
+        try:
+            await asyncio.to_thread(check_engine_settings, loaded.config, source=loaded.path)
+        except ConfigError as exc:
+            logger.warning("the running config has engine settings vLLM would refuse: %s", exc)
+
+    def _apply(self, loaded: LoadedConfig) -> None:
+        """Swap in a new config; a reference swap, so requests in flight are untouched."""
+        assert self.metrics is not None and self.guard is not None
+        self.loaded = loaded
+        self.metrics.model = loaded.config.model.name
+        self.metrics.set_active_config(loaded.revision, loaded.config.weights)
+        self.guard.reconfigure(loaded.config.guardrail)
+
+    async def _watch_config(self) -> None:
+        while True:
+            args = self.serve_state.router_args or {}
+            await asyncio.sleep(float(args.get("config_poll_s", POLL_S)))
+            if self.watcher is not None:
+                try:
+                    # In a thread: the engine-settings check imports vLLM's argument parser.
+                    await asyncio.to_thread(self.watcher.check)
+                except Exception:
+                    logger.exception("config watch failed")
+
+    async def _deployed(self) -> bool:
+        """Whether a specserve router application is deployed (after the first read of what
+        runs, for a request that arrives before it)."""
+        if not self._first_read.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._first_read.wait(), FIRST_READ_WAIT_S)
+        return self.serve_state.router_args is not None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def ready(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """`GET /ready`, answered by the router itself (what it routes with): 200 when every arm
+        with weight > 0 is running and nothing drains; else 503 saying which."""
+        if not await self._deployed():
+            await app(scope, receive, send)
+            return
+        state, loaded = self.serve_state, self.loaded
+        waiting = {
+            arm.name: state.statuses.get(arm.name, "NOT_DEPLOYED")
+            for arm in (loaded.config.arms if loaded else ())
+            if arm.weight > 0 and state.statuses.get(arm.name) != RUNNING
+        }
+        body = {
+            "ready": loaded is not None and not waiting and not state.draining,
+            "revision": loaded.revision if loaded else None,
+            "waiting": waiting,
+            "draining": state.draining,
+            "dispatch": True,
+        }
+        await _send_json(send, 200 if body["ready"] else 503, body, [_request_id(scope)])
+
+    async def pass_to_arm(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """`/arms/<name>/...` from a client: the arm's own routes, only for arms deployed with
+        `expose_http` (debugging, the router-overhead benchmark); internal otherwise."""
+        arm = scope["path"].removeprefix(ARM_ROUTE_PREFIX).split("/", 1)[0]
+        if not await self._deployed() or arm in self.serve_state.exposed:
+            await app(scope, receive, send)
+            return
+        not_found = OpenAIError(404, f"no route {scope['path']}")
+        await _send_error(send, not_found, [_request_id(scope)])
+
+    async def serve(
+        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, endpoint: str
+    ) -> None:
+        if not await self._deployed():  # not specserve's cluster (yet): Ray Serve answers
+            await app(scope, receive, send)
+            return
+        loaded = self.loaded
+        if loaded is None or self.metrics is None or self.guard is None:
+            unreadable = OpenAIError(503, "the router's config file cannot be read; see its log")
+            await _send_error(send, unreadable, [_request_id(scope)])
+            return
+        metrics, config = self.metrics, loaded.config
+        # Every answer names the config revision that handled it, and the arm once one is chosen;
+        # every request is counted once, by outcome, refused ones included.
+        extra = [(headers.CONFIG_REVISION.encode(), loaded.revision.encode())]
+        request_id = _request_id(scope)  # on the request too: the arm logs it under the same
+        record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
+        exchange: _Exchange | None = None
+        try:
+            try:
+                if self.serve_state.draining:
+                    raise OpenAIError(
+                        503,
+                        "the service is shutting down; retry shortly",
+                        code="shutting_down",
+                        headers={headers.RETRY_AFTER: "1"},
+                    )
+                raw = await _read_body(scope, receive, config.limits.max_body_bytes)
+                data = parse_body(raw)
+                record.arm = self._pick_arm(scope, data, loaded)
+                extra.append((_ARM, record.arm.encode()))
+                check_limits(data, config)
+            except OpenAIError as exc:
+                record.outcome = outcome_of_status(exc.status)
+                await _send_error(send, exc, [*extra, request_id])
+                return
+            arm_scope = _arm_scope(scope, record.arm, config.limits.request_timeout_s)
+            exchange = _Exchange(
+                record, send, extra, request_id, client_wants_usage=wants_usage(data)
+            )
+            await exchange.run(app, arm_scope, raw, receive)
+            if not exchange.started and not exchange.client_gone:
+                # The arm's replica died (or was unreachable) before answering: nothing reached
+                # the client, so replay once; Ray Serve routes it to a live replica.
+                logger.warning(
+                    "arm %s: replica failed before answering; replaying the request once",
+                    record.arm,
+                )
+                metrics.count_retry(record.arm)
+                await exchange.run(app, arm_scope, raw, receive)
+            await exchange.finish()
+        except _ClientGone:
+            record.outcome = OUTCOME_CANCELLED
+        except (asyncio.CancelledError, OSError):
+            record.outcome = OUTCOME_CANCELLED  # the client went away
+            raise
+        except Exception:
+            record.outcome = OUTCOME_SERVER_ERROR
+            logger.exception("dispatch failed on a request to arm %s", record.arm)
+            if exchange is None or not exchange.started:
+                await _send_error(send, _internal_error(), [*extra, request_id])
+        finally:
+            record.finish(metrics)
+
+    def _pick_arm(self, scope: Scope, data: dict[str, Any], loaded: LoadedConfig) -> str:
+        assert self.metrics is not None and self.guard is not None
+        config = loaded.config
+        request_headers = _headers(scope)
+        sticky_key = request_headers.get(config.routing.session_header.lower())
+        if not sticky_key and config.routing.use_user_field and isinstance(data.get("user"), str):
+            sticky_key = data["user"]
+        try:
+            selection = choose_arm(
+                config.weights,
+                running=self.serve_state.running,
+                drained=self.guard.drained(),
+                override=request_headers.get(headers.ARM_OVERRIDE),
+                sticky_key=sticky_key,
+            )
+        except UnknownArmError as exc:
+            raise OpenAIError(
+                400, str(exc), param=headers.ARM_OVERRIDE, code="unknown_arm"
+            ) from None
+        except ArmNotRunningError as exc:
+            raise OpenAIError(503, str(exc), code="arm_not_running") from None
+        self.metrics.count_selection(*selection)
+        return selection.arm
+
+
+class _Exchange:
+    """One request's trip to its arm and back: what the client is sent, and what the router
+    records of it."""
+
+    def __init__(
+        self,
+        record: RequestRecord,
+        send: Send,
+        extra: list[tuple[bytes, bytes]],
+        request_id: tuple[bytes, bytes],
+        *,
+        client_wants_usage: bool,
+    ) -> None:
+        self.record = record
+        self.send = send
+        self.extra = extra  # on every answer (the arm's get the request id from Ray Serve)
+        self.request_id = request_id
+        self.client_wants_usage = client_wants_usage
+        self.started = False  # a response began (the arm's, or Ray Serve's own refusal)
+        self.foreign: Message | None = None  # Ray Serve's own response start, held back
+        self.status = 0
+        self.stream = False
+        self.complete = False
+        self.client_gone = False
+
+    async def run(self, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive) -> None:
+        replayed = False
+
+        async def receive_body() -> Message:
+            nonlocal replayed
+            if not replayed:  # the body was read to route the request: hand it on once
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.client_gone = True
+            return message
+
+        await app(scope, receive_body, self._send)
+
+    async def _send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.started = True
+            self.status = int(message["status"])
+            response_headers = list(message.get("headers") or ())
+            if not any(name == _ARM for name, _ in response_headers):
+                self.foreign = message  # not the arm's answer: Ray Serve refused the request
+                return
+            kept = []
+            for name, value in response_headers:
+                if name == _USAGE:
+                    self._read_usage(value)
+                elif name == b"content-type" and value.startswith(b"text/event-stream"):
+                    self.stream = True
+                    kept.append((name, value))
+                else:
+                    kept.append((name, value))
+            message["headers"] = [*kept, *(h for h in self.extra if h[0] != _ARM)]
+        elif kind == "http.response.body":
+            if self.foreign is not None:
+                return
+            if not message.get("more_body", False):
+                self.complete = True
+            if self.stream:
+                message["body"] = self._observe_events(message.get("body", b""))
+        await self.send(message)
+
+    def _observe_events(self, body: bytes) -> bytes:
+        if self.record.first_token_at is None and body:
+            self.record.first_token_at = time.perf_counter()
+        if body.startswith(_ERROR_EVENT):  # the arm cut the stream short
+            self.record.outcome = OUTCOME_SERVER_ERROR
+        if b'"usage"' not in body:
+            return body
+        kept = []
+        for event in body.split(_SSE_EVENT_END):
+            if b'"usage"' in event and b'"choices":[]' in event:
+                self._read_usage(event.removeprefix(b"data: "))
+                if not self.client_wants_usage:
+                    continue
+            kept.append(event)
+        return _SSE_EVENT_END.join(kept)
+
+    def _read_usage(self, value: bytes) -> None:
+        try:
+            payload = json.loads(value)
+        except ValueError:
+            logger.warning("unparseable usage from arm %s", self.record.arm)
+            return
+        self.record.read_usage(payload.get("usage"), payload.get("metrics"))
+
+    async def finish(self) -> None:
+        """After the arm (or Ray Serve) is done: settle the outcome, answer what is unanswered."""
+        record = self.record
+        if self.foreign is not None:
+            record.outcome = outcome_of_status(await self._answer_refusal())
+        elif not self.started:
+            if self.client_gone:
+                record.outcome = OUTCOME_CANCELLED
+                return
+            record.outcome = OUTCOME_SERVER_ERROR
+            error = OpenAIError(
+                503,
+                f"arm {record.arm!r} failed twice for this request; retry later",
+                code="engine_unavailable",
+                headers={headers.RETRY_AFTER: "1"},
+            )
+            await _send_error(self.send, error, [*self.extra, self.request_id])
+        elif not self.complete:
+            if self.client_gone:
+                record.outcome = OUTCOME_CANCELLED
+                return
+            # The arm's replica died mid-answer: a stream ends with an error event, never
+            # silently (a JSON answer cut short can only end).
+            record.outcome = OUTCOME_SERVER_ERROR
+            logger.warning("arm %s: replica failed mid-answer", record.arm)
+            cut = error_event(500, MID_STREAM_FAILURE).encode()
+            await self.send(
+                {
+                    "type": "http.response.body",
+                    "body": cut if self.stream else b"",
+                    "more_body": False,
+                }
+            )
+        elif self.status >= 400:
+            record.outcome = outcome_of_status(self.status)
+        # Otherwise ok, or a stream the arm cut short with an error event (already recorded).
+
+    async def _answer_refusal(self) -> int:
+        """Ray Serve answered instead of the arm: its queue was full (429), no replica could
+        take the request (503), or the arm's application is gone (404)."""
+        assert self.foreign is not None
+        status = int(self.foreign["status"])
+        ray_headers = dict(self.foreign.get("headers") or ())
+        retry_after = ray_headers.get(headers.RETRY_AFTER.encode(), b"1").decode()
+        arm = self.record.arm
+        if status == 429:
+            error = OpenAIError(
+                429,
+                f"arm {arm!r} is at capacity (its request queue is full); retry after "
+                f"{retry_after} s",
+                code="arm_overloaded",
+                headers={headers.RETRY_AFTER: retry_after},
+            )
+        elif status in REJECTED_STATUSES or status == 404:
+            error = OpenAIError(
+                503,
+                f"arm {arm!r} has no replica to take the request; retry shortly",
+                code="engine_unavailable",
+                headers={headers.RETRY_AFTER: retry_after},
+            )
+        else:
+            logger.error("arm %s: Ray Serve answered %d", arm, status)
+            error = _internal_error()
+        await _send_error(self.send, error, [*self.extra, self.request_id])
+        return error.status
+
+
+class _ClientGone(Exception):
+    """The client disconnected."""
+
+
+def _internal_error() -> OpenAIError:
+    return OpenAIError(500, "Internal Server Error", type="server_error")
+
+
+async def _read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> bytes:
+    """The whole request body, refused (413) as soon as it is known to pass the limit."""
+    declared = _headers(scope).get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise body_too_large(int(declared), max_body_bytes)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone  # before it had sent its request
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise body_too_large(f"more than {size - 1}", max_body_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+
+
+def _arm_scope(scope: Scope, arm: str, timeout_s: float) -> Scope:
+    """The request as the proxy routes it to the arm's application."""
+    path = ARM_ROUTE_PREFIX + arm + scope["path"]
+    # The time limit is the config's: a client's own value of the header is dropped.
+    kept = [(name, value) for name, value in scope["headers"] if name != _TIMEOUT]
+    return {
+        **scope,
+        "path": path,
+        "raw_path": path.encode(),
+        "headers": [*kept, (_TIMEOUT, repr(timeout_s).encode())],
+    }
+
+
+def _request_id(scope: Scope) -> tuple[bytes, bytes]:
+    """The request's id, as Ray Serve's proxy sets it on what it answers: the client's
+    `x-request-id`, else a new one, also put on the request so the arm logs it under the same."""
+    name = headers.REQUEST_ID.encode()
+    found = next((value for key, value in scope["headers"] if key == name), None)
+    if found is None:
+        found = str(uuid.uuid4()).encode()
+        scope["headers"] = [*scope["headers"], (name, found)]
+    return name, found
+
+
+async def _send_json(
+    send: Send, status: int, payload: dict[str, Any], extra: list[tuple[bytes, bytes]]
+) -> None:
+    body = json.dumps(payload).encode()
+    response_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": response_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, error: OpenAIError, extra: list[tuple[bytes, bytes]]) -> None:
+    body = error_body(
+        error.status, error.message, param=error.param, code=error.code, type=error.type
+    )
+    more = [(k.encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await _send_json(send, error.status, body, [*extra, *more])

@@ -119,3 +119,42 @@ def test_export_uses_vllm_names_and_round_trips(tmp_path, switches):
     aux, ids = inputs()
     for a, b in zip(model.unrolled(aux, ids, 2), loaded.unrolled(aux, ids, 2), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_target_layer_init_copies_the_last_layer_and_passes_the_last_state(tmp_path):
+    from safetensors.torch import save_file
+
+    from specserve.drafter.train import init_from_target_layer
+
+    torch.manual_seed(2)
+    h, inter, kv = 64, 128, 2 * 16
+    shapes = {
+        "self_attn.q_proj.weight": (h, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, h),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    target = {
+        f"model.layers.{layer}.{name}": torch.randn(shape)
+        for layer in (0, 1, 4)
+        for name, shape in shapes.items()
+    }
+    save_file(target, tmp_path / "model.safetensors")
+    model = make()
+    embedding_half = model.midlayer.self_attn.q_proj.weight[:, :h].clone()
+    init_from_target_layer(model, str(tmp_path))
+
+    last = "model.layers.4."  # the highest-numbered layer, wherever numbering stops
+    attn, mlp = model.midlayer.self_attn, model.midlayer.mlp
+    assert torch.equal(attn.q_proj.weight[:, h:], target[last + "self_attn.q_proj.weight"])
+    assert torch.equal(attn.q_proj.weight[:, :h], embedding_half)  # kept random
+    assert torch.equal(attn.v_proj.weight[:, h:], target[last + "self_attn.v_proj.weight"])
+    assert torch.equal(mlp.down_proj.weight, target[last + "mlp.down_proj.weight"])
+    assert torch.equal(model.midlayer.hidden_norm.weight, target[last + "input_layernorm.weight"])
+    aux, _ = inputs()
+    assert torch.allclose(model.combine(aux), aux[..., 2 * h :])  # fc passes the last through

@@ -35,28 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3")
     args = parser.parse_args(argv)
 
-    from transformers import AutoConfig
+    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, built_records
+    from specserve.drafter.train import TrainConfig, new_drafter, offline_acceptance, train
 
-    from specserve.drafter.data import capture_features
-    from specserve.drafter.model import DrafterConfig
-    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, split_validation
-    from specserve.drafter.train import (
-        TrainConfig,
-        load_records,
-        new_drafter,
-        offline_acceptance,
-        train,
-    )
-    from specserve.models import resolve_model_source
-    from specserve.settings import get_settings
-
-    work = args.work_dir or get_settings().cache_dir / "drafters"
-    if not (work / "answers.jsonl").exists():
-        parser.error(f"{work}/answers.jsonl missing: run `specserve drafter build` first")
-    target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
-    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
-    shards = capture_features(work / "answers.jsonl", target, work / "features", layers)
-    records, validation = split_validation(load_records(shards))
+    work, target, records, validation = built_records(args.work_dir)
     records = nested_order(records)
 
     rows = []

@@ -242,6 +242,28 @@ def _evaluate(config: PipelineConfig, exported: dict[str, str], report: Path) ->
     write_report(evaluate(config.target_dir, exported, sets, ks=config.eval_ks), report)
 
 
+def built_records(work: Path | None = None) -> tuple[Path, str, list[dict], list[dict]]:
+    """A build's work directory (default: the build's own), the embedded target's directory and
+    the training and validation sequences of the build after its answer stage (the benchmarks'
+    input); hidden states are captured where missing, as the build does."""
+    from transformers import AutoConfig
+
+    from specserve.drafter.data import capture_features
+    from specserve.drafter.model import DrafterConfig
+    from specserve.drafter.train import load_records
+    from specserve.models import resolve_model_source
+    from specserve.settings import get_settings
+
+    work = work or get_settings().cache_dir / "drafters"
+    if not (work / "answers.jsonl").exists():
+        raise SystemExit(f"{work}/answers.jsonl missing: run `specserve drafter build` first")
+    target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
+    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
+    shards = capture_features(work / "answers.jsonl", target, work / "features", layers)
+    records, validation = split_validation(load_records(shards))
+    return work, target, records, validation
+
+
 def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Prompt]:
     """Up to `total` prompts, each kind taking its `TRAIN_MIX` share, in a seeded random order.
     A bigger `total` keeps every prompt a smaller one chose (its answers are reused)."""

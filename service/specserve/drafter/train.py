@@ -364,6 +364,36 @@ def target_weights(target_dir: str) -> dict[str, torch.Tensor]:
     return {"embed": embed, "head": head}
 
 
+def init_from_target_layer(model: Drafter, target_dir: str) -> None:
+    """A head start for the first draft step: the drafter's decoder layer starts as the target's
+    last decoder layer, reading the hidden-state half of its input (the embedding half keeps its
+    random start), and `fc` starts as a pass-through of the last captured state (the input of
+    target layer L-3, the nearest captured one to what the last layer reads)."""
+    from safetensors.torch import load_file
+
+    weights = {
+        k: v.float() for k, v in load_file(str(Path(target_dir) / "model.safetensors")).items()
+    }
+    last = max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers."))
+    layer = {
+        k.removeprefix(f"model.layers.{last}."): v
+        for k, v in weights.items()
+        if k.startswith(f"model.layers.{last}.")
+    }
+    m, hidden = model.midlayer, model.config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            # (out, 2H): the input is [input_layernorm(embedding), hidden_norm(hidden)]
+            getattr(m.self_attn, name).weight[:, hidden:] = layer[f"self_attn.{name}.weight"]
+        m.self_attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(m.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
+        m.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        m.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+        model.fc.weight.zero_()  # (H, n_aux * H)
+        model.fc.weight[:, -hidden:] = torch.eye(hidden)
+
+
 def new_drafter(
     target_dir: str,
     records: list[dict],

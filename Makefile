@@ -31,7 +31,7 @@ drafters: model
 	$(BIN)/specserve drafter build --ship
 
 test: model
-	$(BIN)/pytest -ra -v
+	$(BIN)/pytest -ra -v --durations=25
 
 test-unit: install
 	$(BIN)/pytest -ra -m "not slow"

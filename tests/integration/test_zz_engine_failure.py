@@ -92,6 +92,20 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
         live.write_config(text)
         live.platform.deploy(load_config(live.config_path))
         wait_for_replicas(APP, 1)
+        # One run saw the arm answer 503 for 1.5 s after Serve reported it RUNNING on one
+        # replica again: the next test starts once the arm serves.
+        wait_until_serving(live)
+
+
+def wait_until_serving(live, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    while (
+        live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "no-spec"}).status_code
+        != 200
+    ):
+        assert time.monotonic() < deadline, "no-spec not serving after going back to one replica"
+        time.sleep(0.5)
 
 
 def kill_one_replica_under_load(live) -> None:

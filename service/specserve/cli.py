@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         "drafters/) instead of training from scratch; they are evaluated beside the results",
     )
     build_p.add_argument(
+        "--existing-answers",
+        action="store_true",
+        help="train on the answers already in the work directory as they are: no new questions "
+        "or answers (e.g. to train on from a checkpoint without an hour of generation)",
+    )
+    build_p.add_argument(
         "--soft-labels",
         type=float,
         default=0.0,
@@ -307,6 +313,7 @@ def _drafter(args: argparse.Namespace) -> int:
             eval_ks=tuple(args.eval_k),
             ship=args.ship,
             init_from=args.init_from,
+            existing_answers=args.existing_answers,
         )
         train_config = TrainConfig(
             epochs=args.epochs, updates=args.updates, soft_labels=args.soft_labels

@@ -235,3 +235,12 @@ def test_a_build_continuing_from_a_missing_drafter_stops_before_any_work(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"no exported drafter in .*start/eagle3\.1$"):
         run(config)
     assert not (tmp_path / "work").exists()
+
+
+def test_a_build_on_existing_answers_without_any_stops_before_generating(tmp_path):
+    from specserve.drafter.pipeline import PipelineConfig, run
+
+    config = PipelineConfig(tmp_path / "work", "no-target", existing_answers=True)
+    with pytest.raises(FileNotFoundError, match=r"--existing-answers: .*work/answers\.jsonl"):
+        run(config)
+    assert list((tmp_path / "work").iterdir()) == []  # no questions, no answers written

@@ -45,6 +45,8 @@ class PipelineConfig:
     # Continue training from `<init_from>/<variant>` (e.g. the shipped pair) instead of from
     # scratch; the evaluation then scores the starting drafters beside the new ones.
     init_from: Path | None = None
+    # Train on `answers.jsonl` as it stands instead of completing it to `max_train_prompts`.
+    existing_answers: bool = False
 
 
 def _log(message: str) -> None:
@@ -75,7 +77,10 @@ def run(config: PipelineConfig, train_config=None) -> list[dict]:
     train_config = train_config or TrainConfig()
 
     answers = work / "answers.jsonl"
-    _isolated(_self_distill, config)  # a no-op when every training prompt has its answer
+    if not config.existing_answers:
+        _isolated(_self_distill, config)  # a no-op when every training prompt has its answer
+    elif not answers.exists():
+        raise FileNotFoundError(f"--existing-answers: {answers} does not exist")
 
     from transformers import AutoConfig
 

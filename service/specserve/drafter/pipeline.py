@@ -7,10 +7,14 @@ vocabulary, steps and seed, so the comparison is fair.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -178,11 +182,32 @@ def plot_validation(work: Path, names: list[str]) -> Path:
 
 def _isolated(stage, *args) -> None:
     """Run a vLLM stage in a child process, so its engines and their memory end with it."""
-    process = multiprocessing.get_context("spawn").Process(target=stage, args=args)
+    process = multiprocessing.get_context("spawn").Process(
+        target=_stage_child, args=(os.getpid(), stage, *args)
+    )
     process.start()
     process.join()
     if process.exitcode != 0:
         raise RuntimeError(f"{stage.__name__} failed (exit code {process.exitcode})")
+
+
+def _stage_child(parent: int, stage, *args) -> None:
+    """A stage's process, which ends when the build does even if the build is killed (Linux):
+    the kernel sends it SIGTERM, which unwinds it like Ctrl-C, so that its own children (vLLM's
+    engine core) are stopped too instead of computing on for nobody."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the build died before the kernel was asked to tell
+        raise SystemExit(128 + signal.SIGTERM)
+    stage(*args)
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _self_distill(config: PipelineConfig) -> None:

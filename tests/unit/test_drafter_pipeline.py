@@ -282,5 +282,5 @@ def test_a_killed_build_takes_its_stage_and_the_stages_engine_with_it(tmp_path):
     stage, engine = (psutil.Process(int(pid)) for pid in pids.read_text().split())
     build.kill()  # SIGKILL: the build gets no chance to clean up
     build.wait()
-    gone, alive = psutil.wait_procs([stage, engine], timeout=20)
+    _, alive = psutil.wait_procs([stage, engine], timeout=20)
     assert alive == [], f"still running after the build was killed: {alive}"

@@ -191,6 +191,9 @@ def _isolated(stage, *args) -> None:
         raise RuntimeError(f"{stage.__name__} failed (exit code {process.exitcode})")
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): a signal for this process when its parent dies
+
+
 def _stage_child(parent: int, stage, *args) -> None:
     """A stage's process, which ends when the build does even if the build is killed (Linux):
     the kernel sends it SIGTERM, which unwinds it like Ctrl-C, so that its own children (vLLM's
@@ -201,9 +204,6 @@ def _stage_child(parent: int, stage, *args) -> None:
     if os.getppid() != parent:  # the build died before the kernel was asked to tell
         raise SystemExit(128 + signal.SIGTERM)
     stage(*args)
-
-
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:

@@ -51,6 +51,7 @@ arms:
     weight: {ngram_weight}
     max_ongoing_requests: {ngram_ongoing}
     max_queued_requests: {ngram_queued}
+    max_surge_percent: 100  # an engine change starts the new engine before the old one stops
     speculative: {{method: ngram, num_speculative_tokens: {k},
                   prompt_lookup_max: 4, prompt_lookup_min: 2}}
     engine: *engine

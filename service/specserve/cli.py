@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specserve.cluster_config import DEFAULT_KEEP
 from specserve.config import (
+    DEPLOYMENT_OPTIONS,
     ConfigError,
     RouterConfig,
     load_config,
@@ -225,8 +226,14 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
         before = old.model_dump(exclude={"weight"})
         after = new.model_dump(exclude={"weight"})
         changed = [k for k in after if before[k] != after[k]]
-        if changed:
-            lines.append(f"~ arm {name} {', '.join(changed)} changed (redeploys this arm)")
+        engine = [k for k in changed if k not in DEPLOYMENT_OPTIONS]
+        in_place = [k for k in changed if k in DEPLOYMENT_OPTIONS]
+        if engine:
+            lines.append(f"~ arm {name} {', '.join(engine)} changed (redeploys this arm)")
+        if in_place:
+            lines.append(
+                f"~ arm {name} {', '.join(in_place)} changed (applied to the running engines)"
+            )
     return lines
 
 
@@ -284,6 +291,7 @@ def _cluster_config(args: argparse.Namespace) -> int:
     arms = outcome.arms
     if arms:
         what = [f"redeploys {', '.join(arms.redeployed)}"] if arms.redeployed else []
+        what += [f"rescales {', '.join(arms.rescaled)} in place"] if arms.rescaled else []
         what += [f"deletes {', '.join(arms.removed)}"] if arms.removed else []
         print(
             f"RayService {outcome.rayservice}: serveConfigV2 patched; Ray Serve {'; '.join(what)}"

@@ -4,9 +4,10 @@ The Helm chart creates the live config as a ConfigMap (key `config.yaml`, compon
 `router-config`) mounted into every Ray pod, where the routers watch it and apply a new valid
 revision without restart, and a RayService whose `serveConfigV2` holds the router application
 and one application per arm (`arm-<name>`). A weight, routing or limit change therefore needs
-only the ConfigMap; a change of an arm's engine part (drafter, k, engine arguments, replicas, an
-arm added or removed) also needs the arm applications in `serveConfigV2` patched, and Ray Serve
-then redeploys exactly those.
+only the ConfigMap; a change of an arm's engine part (drafter, k, engine arguments, an arm added
+or removed) or of its replicas and queue bounds also needs the arm applications in
+`serveConfigV2` patched: Ray Serve then redeploys exactly the changed engines, and applies
+replicas and queue bounds to the running ones.
 
 History: one immutable ConfigMap per revision (component `config-history`, named
 `<live ConfigMap>-<revision>`, the same `config.yaml` bytes), annotated with when it was last
@@ -241,19 +242,28 @@ def merge_arm_applications(document: dict[str, Any], config: RouterConfig) -> di
 
 @dataclass(frozen=True)
 class ArmChanges:
-    """Arm applications Ray Serve redeploys (new or changed) and deletes."""
+    """Arm applications Ray Serve redeploys (new, or a changed engine), rescales in place (only
+    replica or queue settings changed) and deletes."""
 
     redeployed: tuple[str, ...] = ()
+    rescaled: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.redeployed or self.removed)
+        return bool(self.redeployed or self.rescaled or self.removed)
 
 
 def arm_changes(before: dict[str, Any], after: dict[str, Any]) -> ArmChanges:
     old, new = arm_applications(before), arm_applications(after)
+
+    def engine(app: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if app is None else {k: v for k, v in app.items() if k != "deployments"}
+
+    changed = [name for name in new if old.get(name) != new[name]]
+    redeployed = tuple(name for name in changed if engine(old.get(name)) != engine(new[name]))
     return ArmChanges(
-        redeployed=tuple(name for name in new if old.get(name) != new[name]),
+        redeployed=redeployed,
+        rescaled=tuple(name for name in changed if name not in redeployed),
         removed=tuple(name for name in old if name not in new),
     )
 

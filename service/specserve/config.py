@@ -15,6 +15,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ARM_NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,40}[a-z0-9])?$"
+# An arm's settings that Ray Serve applies to its running engine replicas without restarting
+# them, by their Ray Serve deployment option name (serve_config.py passes them as such).
+DEPLOYMENT_OPTIONS = {
+    "replicas": "num_replicas",
+    "max_ongoing_requests": "max_ongoing_requests",
+    "max_queued_requests": "max_queued_requests",
+    "max_surge_percent": "max_surge_percent",
+}
 # Keys that moved; the error for an old key names its replacement.
 RENAMED_KEYS = {"num_draft_tokens": "num_speculative_tokens", "draft_model": "model"}
 
@@ -82,8 +90,10 @@ Speculation = Annotated[
 
 
 class ArmEngineConfig(_Strict):
-    """What runs for one arm: everything but its traffic weight. A change here redeploys the
-    arm's engine; the weight lives in `ArmConfig` and changes live in the router."""
+    """What runs for one arm: everything but its traffic weight. A change to its engine
+    (`speculative`, `engine`, `env`) restarts the arm's engine replicas; replicas and queue
+    bounds (`DEPLOYMENT_OPTIONS`) apply to the running ones. The weight lives in `ArmConfig`
+    and changes live in the router."""
 
     name: str = Field(
         pattern=ARM_NAME_PATTERN,
@@ -105,6 +115,15 @@ class ArmEngineConfig(_Strict):
         ge=1,
         description="Requests each HTTP proxy (one per Ray node) holds for this arm while its "
         "engines are full; beyond that a request gets 429 with Retry-After at once.",
+    )
+    max_surge_percent: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="Extra engine replicas, as a percentage of `replicas` (rounded up), that "
+        "may start while an engine change replaces this arm's replicas: with 100 the old ones "
+        "serve until their replacements run (no downtime, if the cluster has room for them); "
+        "with 0 they stop first.",
     )
     engine: dict[str, Any] = Field(
         default_factory=dict,
@@ -135,7 +154,14 @@ class ArmConfig(ArmEngineConfig):
     def engine_args(self) -> dict[str, Any]:
         """The engine part as plain data, only the keys the config sets (for the Serve config:
         a default that changes upstream must not redeploy an arm nobody touched)."""
-        return self.model_dump(mode="json", exclude_unset=True, exclude={"weight"})
+        return self.model_dump(
+            mode="json", exclude_unset=True, exclude={"weight", *DEPLOYMENT_OPTIONS}
+        )
+
+    def deployment_options(self) -> dict[str, Any]:
+        """The replica and queue settings the config sets, as Ray Serve deployment options."""
+        found = self.model_dump(mode="json", exclude_unset=True, include=set(DEPLOYMENT_OPTIONS))
+        return {DEPLOYMENT_OPTIONS[key]: value for key, value in found.items()}
 
 
 class RoutingConfig(_Strict):

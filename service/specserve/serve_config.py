@@ -2,13 +2,13 @@
 
 The router is one application (its settings, and the endpoints other than inference; requests are
 routed by the dispatch in every HTTP proxy, which reads those settings); each arm is another,
-built by an importable builder from plain arguments (the model and the arm's engine part, without
-its weight). `specserve serve` deploys
-this document to a local Ray cluster, `specserve config serve-config` prints it for `serve deploy`,
-and the Helm chart renders the same document into the RayService's `serveConfigV2`. Ray Serve
-compares each application's config with the running one and redeploys only those that changed:
-a new drafter redeploys its arm, a new weight redeploys nothing (the router reads weights from
-the config file itself).
+built by an importable builder from plain arguments (the model and the arm's engine part), with
+its replica and queue settings as Ray Serve options of the arm's deployment. `specserve serve`
+deploys this document to a local Ray cluster, `specserve config serve-config` prints it for
+`serve deploy`, and the Helm chart renders the same document into the RayService's
+`serveConfigV2`. Ray Serve compares each application's config with the running one and redeploys
+only those that changed: a new drafter restarts its arm's engines, more replicas start only the
+new ones, a new weight redeploys nothing (the router reads weights from the config file itself).
 """
 
 from __future__ import annotations
@@ -86,12 +86,17 @@ def arm_application(
     }
     if expose_http:
         args["expose_http"] = True
-    return {
+    app: dict[str, Any] = {
         "name": arm_app_name(arm.name),
         "route_prefix": ARM_ROUTE_PREFIX + arm.name,
         "import_path": ARM_BUILDER,
         "args": args,
     }
+    # Options outside the builder's args: Ray Serve applies a change to them without building the
+    # application again or restarting the engines that run.
+    if options := arm.deployment_options():
+        app["deployments"] = [{"name": arm_app_name(arm.name), **options}]
+    return app
 
 
 def serve_config(

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from specserve import cluster_config
 from specserve.config import parse_config, revision_of
@@ -73,8 +74,6 @@ def test_router_configmap_is_the_values_config_with_its_revision(rendered):
 
 
 def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendered):
-    from ray.serve.schema import ServeDeploySchema
-
     profile, objs = rendered
     service = one(objs, "RayService")
     document = yaml.safe_load(service["spec"]["serveConfigV2"])
@@ -89,6 +88,34 @@ def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendere
     assert document == expected
     # Weights are not part of it: a weight change never redeploys an engine.
     assert "weight" not in json.dumps(document)
+
+
+def test_an_arms_replica_and_queue_settings_render_as_its_deployment_options():
+    """Outside the builder's args, so that Ray Serve applies a change to them in place."""
+    values = _merge_chart_values("cpu")
+    arms = values["config"]["arms"]
+    arms[0] = {**arms[0], "replicas": 2, "max_ongoing_requests": 8, "max_surge_percent": 100}
+    objs = render_objects("cpu", config={**values["config"], "arms": arms})
+    document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(document)
+    expected = serve_config(
+        parse_config(yaml.safe_dump({**values["config"], "arms": arms})),
+        config_path=MOUNTED_CONFIG_PATH,
+        config_poll_s=values["router"]["configPollSeconds"],
+        router_replicas=values["router"]["replicas"],
+    )
+    assert document == expected
+    first = document["applications"][1]
+    assert first["deployments"] == [
+        {
+            "name": first["name"],
+            "num_replicas": 2,
+            "max_ongoing_requests": 8,
+            "max_surge_percent": 100,
+        }
+    ]
+    assert "replicas" not in first["args"]["arm"]
+    assert all("deployments" not in app for app in document["applications"][2:])
 
 
 def test_every_ray_container_loads_the_dispatch_into_its_http_proxy(rendered):

@@ -1,6 +1,7 @@
 """SIGKILL one of an arm's two engine replicas under load: a request that had received nothing
 is replayed once on the live replica, a stream cut mid-way ends with an error event, every
-request is accounted for, and Ray Serve brings the replica back."""
+request is accounted for, and Ray Serve brings the replica back. Scaling the arm up and back
+down on the way is applied in place: the running engine is not restarted, and nothing fails."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from specserve import headers
 from specserve.config import load_config
 from specserve.metrics import ENGINE_RETRIES
 from tests.conftest import MODEL
+from tests.integration.serving import replica_actors, steady_traffic
 
 pytestmark = pytest.mark.slow
 
@@ -82,30 +84,26 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
     text = live.config_path.read_text()
     two_replicas = text.replace("  - name: no-spec\n", "  - name: no-spec\n    replicas: 2\n", 1)
     assert two_replicas != text
+    first = replica_actors(APP)
     try:
-        live.write_config(two_replicas)
-        live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
-        wait_for_replicas(APP, 2)
+        with steady_traffic(live, "no-spec") as statuses:
+            live.write_config(two_replicas)
+            live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
+            wait_for_replicas(APP, 2)
+        assert first < replica_actors(APP)  # one more replica; the first one still runs
+        assert statuses and set(statuses) == {200}
         kill_one_replica_under_load(live)
+        with steady_traffic(live, "no-spec") as statuses:
+            live.write_config(text)
+            live.platform.deploy(load_config(live.config_path))
+            wait_for_replicas(APP, 1)
+        assert statuses and set(statuses) == {200}  # scaling down drops nothing
     finally:
         # Back to one replica, even after a failure, for anything that runs after.
-        live.write_config(text)
-        live.platform.deploy(load_config(live.config_path))
-        wait_for_replicas(APP, 1)
-        # One run saw the arm answer 503 for 1.5 s after Serve reported it RUNNING on one
-        # replica again: the next test starts once the arm serves.
-        wait_until_serving(live)
-
-
-def wait_until_serving(live, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    while (
-        live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "no-spec"}).status_code
-        != 200
-    ):
-        assert time.monotonic() < deadline, "no-spec not serving after going back to one replica"
-        time.sleep(0.5)
+        if live.config_path.read_text() != text:
+            live.write_config(text)
+            live.platform.deploy(load_config(live.config_path))
+            wait_for_replicas(APP, 1)
 
 
 def kill_one_replica_under_load(live) -> None:

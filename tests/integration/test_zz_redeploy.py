@@ -1,51 +1,16 @@
 """An engine-level change redeploys only the arm it touches: the platform hands Ray Serve the
 whole Serve config and Ray Serve finds the one application that changed, and the other arms
-serve on without dropping a request. Runs last: it restarts an engine."""
-
-import contextlib
-import threading
-import time
+serve on without dropping a request. The changed arm (`max_surge_percent: 100`) serves on too:
+its old engine answers until the new one runs. Runs last: it restarts an engine."""
 
 import pytest
-import ray
 
 from specserve import headers
 from specserve.config import load_config
 from tests.conftest import MODEL, render_config
+from tests.integration.serving import replica_actors, steady_traffic
 
 pytestmark = pytest.mark.slow
-
-
-def replica_actors(app: str) -> set[str]:
-    """Names of the live replica actors of an app; a new replica gets a new name."""
-    return {
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
-    }
-
-
-@contextlib.contextmanager
-def steady_traffic(live, arm: str):
-    """Requests to `arm`, one after another, while the block runs; yields their statuses."""
-    statuses: list[int] = []
-    stop = threading.Event()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-
-    def send() -> None:
-        while not stop.is_set():
-            r = live.http.post(
-                "/v1/chat/completions", json=body, headers={headers.ARM_OVERRIDE: arm}
-            )
-            statuses.append(r.status_code)
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    try:
-        yield statuses
-    finally:
-        stop.set()
-        sender.join()
 
 
 def test_changing_k_redeploys_only_that_arm(live, restore_config):
@@ -53,29 +18,25 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     ngram_before = replica_actors("arm-ngram")
     assert no_spec_before and ngram_before
 
-    with steady_traffic(live, "no-spec") as statuses:
+    with steady_traffic(live, "no-spec") as other, steady_traffic(live, "ngram") as changed:
         live.write_config(render_config(k=2))
         live.platform.deploy(load_config(live.config_path))
         live.platform.wait_until_running(timeout_s=300)
-    print(f"no-spec served {len(statuses)} requests while ngram redeployed")
-    assert len(statuses) >= 5 and set(statuses) == {200}  # none dropped on the other arm
+    print(f"while ngram redeployed: no-spec served {len(other)}, ngram {len(changed)} requests")
+    assert len(other) >= 5 and set(other) == {200}  # none dropped on the other arm
+    assert len(changed) >= 5 and set(changed) == {200}  # nor on the arm being redeployed
 
     assert replica_actors("arm-no-spec") == no_spec_before
     assert replica_actors("arm-ngram").isdisjoint(ngram_before)
-    deadline = time.monotonic() + 120
-    while True:
-        r = live.http.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "a b a b a b"}],
-                "max_tokens": 8,
-            },
-            headers={headers.ARM_OVERRIDE: "ngram"},
-        )
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    r = live.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a b a b a b"}],
+            "max_tokens": 8,
+        },
+        headers={headers.ARM_OVERRIDE: "ngram"},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["metrics"]["speculative_decoding"]["num_spec_tokens"] == 2
     # Put k back for anything that runs after.

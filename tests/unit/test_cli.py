@@ -42,6 +42,9 @@ def test_diff_separates_live_changes_from_redeploys(tmp_path, capsys):
     assert "~ arm a weight 1 -> 4 (live)" in out
     assert "~ arm b speculative changed (redeploys this arm)" in out
     assert "+ arm c weight 1 (new engine)" in out
+    b.write_text(A.replace("{name: a, weight: 1}", "{name: a, weight: 1, replicas: 2}"))
+    assert main(["config", "diff", str(a), str(b)]) == 0
+    assert "~ arm a replicas changed (applied to the running engines)" in capsys.readouterr().out
     assert main(["config", "diff", str(a), str(a)]) == 0
     assert "no changes" in capsys.readouterr().out
 

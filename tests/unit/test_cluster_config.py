@@ -297,3 +297,11 @@ def test_without_a_kubeconfig_outside_a_pod_the_error_says_so(tmp_path, capsys, 
     assert f"no kubeconfig at {tmp_path / 'absent'} and not running in a pod" in (
         capsys.readouterr().err
     )
+
+
+def test_replicas_or_queue_settings_rescale_an_arm_in_place():
+    document = running_document()
+    scaled = CONFIG.replace("{name: a, weight: 1}", "{name: a, weight: 1, replicas: 2}")
+    assert scaled != CONFIG
+    changes = arm_changes(document, merge_arm_applications(document, parse_config(scaled)))
+    assert (changes.redeployed, changes.rescaled, changes.removed) == ((), ("arm-a",), ())

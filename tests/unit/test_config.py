@@ -159,6 +159,33 @@ def test_serve_config_is_the_router_app_plus_one_app_per_arm_without_weights():
     assert ngram["args"]["arm"]["speculative"]["num_speculative_tokens"] == 3
 
 
+def test_replica_and_queue_settings_are_deployment_options_outside_the_builders_args():
+    """Ray Serve builds an application again, restarting its engines, when its args change;
+    options of its deployments it applies to the running replicas."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from specserve.serve_config import serve_config
+
+    scaled_text = BASE.replace(
+        "{name: no-spec, weight: 1}",
+        "{name: no-spec, weight: 1, replicas: 2, max_queued_requests: 8, max_surge_percent: 100}",
+    )
+    plain, scaled = serve_config(parse_config(BASE)), serve_config(parse_config(scaled_text))
+    ServeDeploySchema.model_validate(scaled)
+    before, after = plain["applications"][1], scaled["applications"][1]
+    assert after["args"] == before["args"]
+    assert "deployments" not in before  # nothing set: the builder's defaults
+    assert after["deployments"] == [
+        {
+            "name": "arm-no-spec",
+            "num_replicas": 2,
+            "max_queued_requests": 8,
+            "max_surge_percent": 100,
+        }
+    ]
+    assert scaled["applications"][2] == plain["applications"][2]
+
+
 def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     import ray
 

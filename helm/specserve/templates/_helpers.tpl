@@ -82,8 +82,17 @@ same document from the same router config; a test keeps the two equal. */}}
 {{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" (dict "config_path" "/etc/specserve/config.yaml" "config_poll_s" .Values.router.configPollSeconds "replicas" .Values.router.replicas) }}
 {{- $apps := list $router }}
 {{- range .Values.config.arms }}
-{{- $args := dict "model" $.Values.config.model "arm" (omit . "weight") }}
-{{- $apps = append $apps (dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args) }}
+{{- $args := dict "model" $.Values.config.model "arm" (omit . "weight" "replicas" "max_ongoing_requests" "max_queued_requests" "max_surge_percent") }}
+{{- $app := dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args }}
+{{- /* Replica and queue settings as deployment options: Ray Serve applies them in place. */}}
+{{- $arm := . }}
+{{- $options := dict }}
+{{- if hasKey $arm "replicas" }}{{- $_ := set $options "num_replicas" $arm.replicas }}{{- end }}
+{{- range $key := list "max_ongoing_requests" "max_queued_requests" "max_surge_percent" }}
+{{- if hasKey $arm $key }}{{- $_ := set $options $key (get $arm $key) }}{{- end }}
+{{- end }}
+{{- if $options }}{{- $_ := set $app "deployments" (list (merge (dict "name" (printf "arm-%s" .name)) $options)) }}{{- end }}
+{{- $apps = append $apps $app }}
 {{- end }}
 {{- toYaml (dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" $apps) }}
 {{- end }}

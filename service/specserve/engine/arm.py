@@ -36,7 +36,9 @@ OVERLOAD_RETRY_AFTER_S = 1
 def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
     """Ray Serve options of the arm's engine deployment: replicas and bounded queues. An engine
     replica takes what it can batch; the excess waits in each HTTP proxy's queue for the arm,
-    and beyond that is refused at once instead of waiting without bound."""
+    and beyond that is refused at once instead of waiting without bound. The builder's args
+    leave out the replica and queue settings the config sets: those reach Ray Serve as options
+    of the deployment in the Serve config (serve_config.py) and win over these defaults."""
     max_ongoing = arm.max_ongoing_requests or int(
         arm.engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     )

@@ -91,3 +91,12 @@ def test_running_starting_and_redeploying_arms(serve_instance):
     apps = _apps_when(lambda a: all(_state(x["status"]) == "RUNNING" for x in a.values()))
     assert _routable(apps["arm-a"]) and _routable(apps["arm-b"])
     assert serve.get_app_handle("arm-a").remote().result() == "v2"
+
+
+def test_an_arm_being_built_again_keeps_the_state_it_had():
+    """While Ray Serve runs the builder of a changed application, it lists no deployments, and
+    the old replicas still serve (seen on a live platform: 200s throughout an arm's rebuild)."""
+    building = {"status": "DEPLOYING", "deployments": {}}
+    assert _routable(building, was_running=True)
+    assert not _routable(building, was_running=False)  # a new arm: nothing serves yet
+    assert not _routable({"status": "DEPLOY_FAILED", "deployments": {}}, was_running=True)

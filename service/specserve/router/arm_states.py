@@ -22,6 +22,7 @@ from specserve.serve_config import (
 )
 
 RUNNING = "RUNNING"
+DEPLOYING = "DEPLOYING"
 # How often the dispatch asks Ray Serve which arms run.
 POLL_S = 1.0
 # How long a request that arrives before the first answer waits for it.
@@ -49,7 +50,10 @@ def serve_applications() -> dict[str, dict[str, Any]]:
     return client.get_serve_details().get("applications") or {}
 
 
-def read_serve_state() -> ServeState:
+def read_serve_state(previous: ServeState | None = None) -> ServeState:
+    """What runs now; `previous`, the last read, settles arms whose application is being built
+    again (see `routable`)."""
+    was_running = previous.running if previous is not None else frozenset()
     statuses, running, exposed = {}, set(), set()
     router_args, draining = None, False
     for name, app in serve_applications().items():
@@ -62,7 +66,7 @@ def read_serve_state() -> ServeState:
         if arm is None:
             continue
         statuses[arm] = state(app.get("status"))
-        if routable(app):
+        if routable(app, was_running=arm in was_running):
             running.add(arm)
         if (deployed.get("args") or {}).get("expose_http"):
             exposed.add(arm)
@@ -86,12 +90,17 @@ def state(value: Any) -> str:
     return str(getattr(value, "value", value))  # Serve's state enums, or their text
 
 
-def routable(app: dict[str, Any]) -> bool:
+def routable(app: dict[str, Any], *, was_running: bool = False) -> bool:
     """An arm takes traffic while every deployment of its application has a running replica:
-    RUNNING, or DEPLOYING a new version while the old replicas still serve."""
-    if state(app.get("status")) == RUNNING:
+    RUNNING, or DEPLOYING a new version while the old replicas still serve. While Ray Serve
+    builds a changed application again (its builder runs: DEPLOYING, no deployments listed,
+    ~20 s for an arm), the old replicas serve on: the arm keeps the state it had."""
+    status = state(app.get("status"))
+    if status == RUNNING:
         return True
     deployments = (app.get("deployments") or {}).values()
-    return bool(deployments) and all(
+    if not deployments:
+        return was_running and status == DEPLOYING
+    return all(
         any(state(r.get("state")) == RUNNING for r in d.get("replicas") or ()) for d in deployments
     )

@@ -139,7 +139,7 @@ class DispatchState:
     async def _watch_serve(self) -> None:
         while True:
             try:
-                state = await asyncio.to_thread(read_serve_state)
+                state = await asyncio.to_thread(read_serve_state, self.serve_state)
                 self.serve_state = state
                 if state.router_args is not None:
                     await self._follow_config(state.router_args)

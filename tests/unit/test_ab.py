@@ -1,5 +1,5 @@
 """The A/B report's statistics and verdicts on known inputs (the live report against a real
-Prometheus is tests/integration/test_ab_live.py)."""
+Prometheus is tests/integration/test_mismatched_arm_live.py)."""
 
 import math
 

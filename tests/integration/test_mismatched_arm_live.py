@@ -1,0 +1,215 @@
+"""An EAGLE-3 arm whose drafter does not match the target (the shipped drafter with its
+vocabulary projection shuffled, so every draft is wasted work), deployed once for two checks:
+
+- `specserve ab report` on a live split read from a real Prometheus: sticky traffic split by
+  weight between `no-spec` and that arm gets it a "roll back" verdict with the reason, its true
+  acceptance length, and a traffic share matching its weight. (Two identical arms reaching no
+  verdict, over many repeated experiments, is measured in tests/unit/test_ab.py.)
+- The acceptance guardrail on real engines: the arm is drained from the weighted split, with a
+  metric, and returns when the guardrail is reconfigured. (The drain's end in time is checked
+  with a controlled clock in tests/unit/test_guardrail.py.)
+
+Between the two only weights and the guardrail change, which the router applies live: the arm's
+engine starts once."""
+
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from specserve import headers
+from specserve.config import load_config
+from specserve.metrics import (
+    ARM_DRAINED,
+    EXPORT_PREFIX,
+    GUARDRAIL_DRAINS,
+    REQUEST_OUTPUT_SPEED,
+    scrape,
+)
+from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+ARM = MISMATCHED
+
+
+@pytest.fixture(scope="module")
+def mismatched_arm(live, mismatched_drafter):
+    """The arm's config text, deployed beside the session's arms for this module."""
+    original = live.config_path.read_text()
+    arm = MISMATCHED_ARM.format(drafter=mismatched_drafter)
+    try:
+        live.write_config(original + arm)
+        live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
+        live.platform.wait_until_running(timeout_s=420)
+        yield arm
+    finally:
+        live.write_config(original)
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=300)
+
+
+# -- `specserve ab report` ------------------------------------------------------------------
+
+REQUESTS = 72
+TOPICS = ("the moon", "rivers", "bread", "a lighthouse", "winter", "bees", "trains", "chess")
+
+
+def stream_once(live, topic: str) -> str:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Write a short story about {topic}."}],
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    session = {"x-session-id": uuid.uuid4().hex}  # a new user each time: split by weight
+    with live.http.stream("POST", CHAT, json=body, headers=session) as response:
+        assert response.status_code == 200
+        for _ in response.iter_lines():
+            pass
+        return response.headers[headers.ARM]
+
+
+def exported_requests(prometheus, arm: str) -> float:
+    query = f'sum(ray_{REQUEST_OUTPUT_SPEED}_count{{arm="{arm}"}})'
+    found = prometheus.query(query)
+    return float(found[0]["value"][1]) if found else 0.0
+
+
+def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp_path):
+    original = live.config_path.read_text()
+    try:
+        # A weight change: live in the router, nothing redeploys.
+        live.write_config(render_config(no_spec_weight=1, ngram_weight=0) + mismatched_arm)
+        # Counters start at an arm's first request: one request each before the experiment's
+        # traffic, so that Prometheus counts every one of those from a known value.
+        for arm in ("no-spec", MISMATCHED):
+            forced = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            response = live.http.post(CHAT, json=forced, headers={headers.ARM_OVERRIDE: arm})
+            assert response.status_code == 200
+        deadline = time.monotonic() + 30
+        while min(exported_requests(prometheus, a) for a in ("no-spec", MISMATCHED)) < 1:
+            assert time.monotonic() < deadline, "Prometheus did not scrape the first requests"
+            time.sleep(0.5)
+        since = time.time()
+        time.sleep(1.5)  # a scrape falls between the start and the first experiment request
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda i: stream_once(live, TOPICS[i % 8]), range(REQUESTS)))
+        counts = {arm: served.count(arm) for arm in set(served)}
+        assert set(counts) == {"no-spec", MISMATCHED}, counts
+        time.sleep(4)  # Ray's export interval, then a scrape
+
+        out = tmp_path / "report.json"
+        command = [sys.executable, "-m", "specserve.cli", "ab", "report"]
+        command += ["--prometheus", prometheus.url, "--since", str(since), "--json", str(out)]
+        command += ["--min-requests", "20"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        print(run.stdout, run.stderr)
+        assert run.returncode == 0, run.stderr
+        report = json.loads(out.read_text())
+    finally:
+        live.write_config(original)
+
+    rows = {row["arm"]: row for row in report["arms"]}
+    assert report["baseline"] == "no-spec" and set(rows) >= {"no-spec", MISMATCHED}
+    worse = rows[MISMATCHED]
+    # Every request of the experiment counted, in the arm that served it.
+    for arm, count in counts.items():
+        assert rows[arm]["requests"] == pytest.approx(count, rel=0.06), (arm, counts)
+    assert worse["traffic"]["expected"] == 0.5 and not worse["traffic"]["mismatch"]
+    assert worse["verdict"] == "roll back", worse["reason"]
+    assert worse["reason"].startswith("slower: tokens/s per user -")
+    assert worse["tokens_per_s"]["difference"]["high"] < 0
+    assert worse["tpot_s"]["difference"]["low"] > 0  # each token takes longer
+    assert worse["acceptance_length"]["mean"] < 1.1  # the drafts are wrong
+    assert worse["suggested_k"]["k"] == 0  # speculation does not pay
+    assert rows["no-spec"]["acceptance_length"]["mean"] == 1.0
+    assert f"{MISMATCHED}: roll back: slower" in run.stdout
+
+
+# -- the acceptance guardrail ---------------------------------------------------------------
+
+GUARDRAIL = """\
+guardrail:
+  min_acceptance_length: {floor}
+  window_s: 600
+  min_drafts: 10
+  drain_s: 900
+"""
+# The shipped drafter reaches 1.5-1.9 on chat; a drafter proposing wrong tokens stays near 1.
+FLOOR = 1.3
+
+
+def arms_of(live, n: int) -> list[str]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    return [live.http.post(CHAT, json=body).headers[headers.ARM] for _ in range(n)]
+
+
+def routers_draining(live, arm: str) -> int:
+    """How many routers (the dispatch of each HTTP proxy) hold `arm` drained (each exports its
+    own gauge series)."""
+    return sum(
+        int(s.value)
+        for _, s in scrape(live.metrics_url)
+        if s.name == EXPORT_PREFIX + ARM_DRAINED and s.labels.get("arm") == arm
+    )
+
+
+def mean_acceptance_length(response: httpx.Response) -> float:
+    spec = response.json()["metrics"]["speculative_decoding"]
+    return 1 + spec["num_accepted_draft_tokens"] / max(1, spec["num_spec_steps"])
+
+
+def test_a_mismatched_drafter_is_drained_and_returns(live, mismatched_arm):
+    original = live.config_path.read_text()
+    try:
+        # A guardrail change: live in the router, nothing redeploys.
+        live.write_config(original + GUARDRAIL.format(floor=FLOOR))
+        check_drain_and_return(live, original)
+    finally:
+        live.write_config(original)
+
+
+def check_drain_and_return(live, with_arm: str) -> None:
+    drains_before = live.metric(GUARDRAIL_DRAINS + "_total", arm=ARM)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about the moon."}],
+        "max_tokens": 32,
+    }
+    # Override traffic feeds the guardrail of the proxy that routes it, until every proxy's
+    # dispatch has drained the arm.
+    lengths = []
+    for _ in range(120):
+        response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
+        assert response.status_code == 200
+        lengths.append(mean_acceptance_length(response))
+        if routers_draining(live, ARM) == PROXIES:
+            break
+    else:
+        raise AssertionError(f"{ARM} was not drained by every router")
+    live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + PROXIES, arm=ARM)
+    mean = sum(lengths) / len(lengths)
+    print(f"{ARM}: drained after {len(lengths)} requests, mean acceptance length {mean:.2f}")
+    assert mean < FLOOR
+
+    # Weighted traffic avoids the drained arm; the override still reaches it.
+    assert ARM not in set(arms_of(live, 24))
+    forced = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
+    assert forced.headers[headers.ARM] == ARM
+
+    # A new guardrail setting starts over: the arm takes weighted traffic again.
+    live.write_config(with_arm + GUARDRAIL.format(floor=1.0))
+    assert ARM in set(arms_of(live, 30))
+    deadline = time.monotonic() + 10  # the gauges follow within an export interval
+    while routers_draining(live, ARM) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert routers_draining(live, ARM) == 0

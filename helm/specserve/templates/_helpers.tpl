@@ -84,12 +84,12 @@ same document from the same router config; a test keeps the two equal. */}}
 {{- range .Values.config.arms }}
 {{- $args := dict "model" $.Values.config.model "arm" (omit . "weight" "replicas" "max_ongoing_requests" "max_queued_requests" "max_surge_percent") }}
 {{- $app := dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args }}
-{{- /* Replica and queue settings as deployment options: Ray Serve applies them in place. */}}
+{{- /* Replica and queue settings as deployment options, named as Ray Serve names them (config.py's
+DEPLOYMENT_OPTIONS): Ray Serve applies them in place. */}}
 {{- $arm := . }}
 {{- $options := dict }}
-{{- if hasKey $arm "replicas" }}{{- $_ := set $options "num_replicas" $arm.replicas }}{{- end }}
-{{- range $key := list "max_ongoing_requests" "max_queued_requests" "max_surge_percent" }}
-{{- if hasKey $arm $key }}{{- $_ := set $options $key (get $arm $key) }}{{- end }}
+{{- range $key, $option := dict "replicas" "num_replicas" "max_ongoing_requests" "max_ongoing_requests" "max_queued_requests" "max_queued_requests" "max_surge_percent" "max_surge_percent" }}
+{{- if hasKey $arm $key }}{{- $_ := set $options $option (get $arm $key) }}{{- end }}
 {{- end }}
 {{- if $options }}{{- $_ := set $app "deployments" (list (merge (dict "name" (printf "arm-%s" .name)) $options)) }}{{- end }}
 {{- $apps = append $apps $app }}

@@ -48,6 +48,35 @@ def test_bench_measures_every_arm_side_by_side(live, tmp_path, capsys):
     assert "tok/s per user now (then)" in capsys.readouterr().out
 
 
+def overlap(a: list, b: list) -> bool:
+    return any(s1 < e2 and s2 < e1 for s1, e1 in a for s2, e2 in b)
+
+
+def test_bench_together_serves_the_arms_at_the_same_time(live, tmp_path):
+    """In turn, one arm's blocks never overlap another's; with --together every round's blocks
+    do, and each arm is still scored on every prompt."""
+    windows = {}
+    for mode in ("turns", "together"):
+        extra = ("--concurrency", "1", "--num-prompts", "2", "--warmups", "0")
+        out = tmp_path / mode
+        args = bench_args(live, out, *extra, *(("--together",) if mode == "together" else ()))
+        assert serving.run(args) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["together"] is (mode == "together")
+        assert {(r["arm"], r["requests"], r["failed"]) for r in results["rows"]} == {
+            ("no-spec", 2, 0),
+            ("ngram", 2, 0),
+        }
+        windows[mode] = {
+            arm: results["requests"][f"1/{arm}"]["windows"] for arm in ("no-spec", "ngram")
+        }
+    assert not overlap(windows["turns"]["no-spec"], windows["turns"]["ngram"])
+    together = windows["together"]
+    assert all(
+        overlap([a], [b]) for a, b in zip(together["no-spec"], together["ngram"], strict=True)
+    )
+
+
 def test_bench_refuses_an_arm_that_is_not_configured(live, tmp_path):
     with pytest.raises(SystemExit, match="unknown arms"):
         serving.run(bench_args(live, tmp_path, "--arms", "no-spec", "eagle9"))

@@ -7,6 +7,8 @@ every ratio compares arms on the same prompts under the same machine state. Warm
 excluded. Acceptance comes from specserve's per-arm counters on the metrics endpoint, read at
 each level's start and end. Speedup is the ratio of mean per-user output tokens/s against the
 baseline arm, with a bootstrap confidence interval over prompts (paired: the same prompts).
+With `--together` the arms serve each round at the same time instead, as under a live split,
+so the engines that share a core compete for it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Cell:
     tpot_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     failed: int = 0
+    # (start, end) of each of the arm's blocks, seconds on the monotonic clock: shows whether
+    # arms served in turn or at the same time.
+    windows: list[tuple[float, float]] = field(default_factory=list)
     acceptance: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -154,33 +159,31 @@ async def _run_block(url, model, arm, chats, concurrency, max_tokens, warmups) -
         SampleRequest(prompt="", prompt_len=0, expected_output_len=max_tokens, chat_messages=m)
         for m in chats
     ]
-    # vLLM's benchmark prints its own report; the per-request figures are what is kept.
-    with contextlib.redirect_stdout(io.StringIO()):
-        result = await benchmark(
-            task_type=TaskType.GENERATION,
-            endpoint_type="openai-chat",
-            api_url=f"{url}/v1/chat/completions",
-            base_url=url,
-            model_id=model,
-            model_name=model,
-            tokenizer=None,
-            input_requests=requests,
-            logprobs=None,
-            request_rate=float("inf"),
-            burstiness=1.0,
-            disable_tqdm=True,
-            num_warmups=warmups,
-            profile=False,
-            selected_percentile_metrics=["ttft", "tpot", "e2el"],
-            selected_percentiles=[50.0],
-            ignore_eos=False,
-            goodput_config_dict={},
-            max_concurrency=concurrency,
-            lora_modules=None,
-            extra_headers={headers.ARM_OVERRIDE: arm},
-            extra_body={"temperature": 0.0},
-            ready_check_timeout_sec=0,
-        )
+    result = await benchmark(
+        task_type=TaskType.GENERATION,
+        endpoint_type="openai-chat",
+        api_url=f"{url}/v1/chat/completions",
+        base_url=url,
+        model_id=model,
+        model_name=model,
+        tokenizer=None,
+        input_requests=requests,
+        logprobs=None,
+        request_rate=float("inf"),
+        burstiness=1.0,
+        disable_tqdm=True,
+        num_warmups=warmups,
+        profile=False,
+        selected_percentile_metrics=["ttft", "tpot", "e2el"],
+        selected_percentiles=[50.0],
+        ignore_eos=False,
+        goodput_config_dict={},
+        max_concurrency=concurrency,
+        lora_modules=None,
+        extra_headers={headers.ARM_OVERRIDE: arm},
+        extra_body={"temperature": 0.0},
+        ready_check_timeout_sec=0,
+    )
     return list(
         zip(
             result["output_lens"],
@@ -190,6 +193,26 @@ async def _run_block(url, model, arm, chats, concurrency, max_tokens, warmups) -
             strict=True,
         )
     )
+
+
+async def _timed(block) -> tuple[list, tuple[float, float]]:
+    start = time.monotonic()
+    rows = await block
+    return rows, (start, time.monotonic())
+
+
+async def _run_blocks(args, model, arms, chats, concurrency) -> list:
+    """Each arm's block with its time window, one after the other, or all at once with
+    `--together`."""
+    blocks = [
+        _timed(_run_block(args.url, model, arm, chats, concurrency, args.max_tokens, args.warmups))
+        for arm in arms
+    ]
+    # vLLM's benchmark prints its own report; the per-request figures are what is kept.
+    with contextlib.redirect_stdout(io.StringIO()):
+        if args.together:
+            return await asyncio.gather(*blocks)
+        return [await block for block in blocks]
 
 
 def split_rounds(chats: list, rounds: int, concurrency: int) -> list[list]:
@@ -209,13 +232,10 @@ def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
     progress = tqdm(total=len(chats) * len(arms), desc=f"concurrency {concurrency}")
     for r, prompts in enumerate(rounds):
         order = arms[r % len(arms) :] + arms[: r % len(arms)]
-        for arm in order:
-            rows = asyncio.run(
-                _run_block(
-                    args.url, model, arm, prompts, concurrency, args.max_tokens, args.warmups
-                )
-            )
+        blocks = asyncio.run(_run_blocks(args, model, order, prompts, concurrency))
+        for arm, (rows, window) in zip(order, blocks, strict=True):
             cell = cells[arm]
+            cell.windows.append(window)
             for tokens, ttft, latency, error in rows:
                 if error or not tokens:
                     cell.failed += 1
@@ -365,6 +385,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4, help="arms take turns this many times")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="every arm serves its block at the same time, as under a live split, instead of "
+        "each in turn alone on the machine",
+    )
     parser.add_argument("--warmups", type=int, default=2, help="requests per block, not counted")
     parser.add_argument(
         "--metrics-url",
@@ -396,7 +422,8 @@ def run(args: argparse.Namespace) -> int:
     chats = load_prompts(args.prompts, args.num_prompts)
     print(
         f"{model}: arms {arms}, {len(chats)} {args.prompts} prompts per level, "
-        f"concurrency {args.concurrency}, {args.max_tokens} tokens at most, greedy"
+        f"concurrency {args.concurrency}, {args.max_tokens} tokens at most, greedy, "
+        + ("arms at the same time" if args.together else "arms in turn")
     )
     levels = {c: measure_level(args, model, arms, chats, c) for c in args.concurrency}
     rows = summarize(levels, args.baseline)
@@ -406,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         "url": args.url,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
+        "together": args.together,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
         "requests": {

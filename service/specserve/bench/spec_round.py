@@ -95,16 +95,17 @@ def generate_one_at_a_time(llm, chats: list, max_tokens: int) -> tuple[int, floa
 
 def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
     """Load the engine, warm it up, then time and sample the generation (in this process)."""
+    from specserve.drafter.data import GENERATION_ENV
+
+    os.environ.update(GENERATION_ENV)  # both cores, as the drafter evaluation runs
     os.environ.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process, where py-spy looks
-        VLLM_CPU_OMP_THREADS_BIND="0-1",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_KVCACHE_SPACE="2",  # one request at a time needs little
     )
     from vllm import LLM
 
     from specserve.bench.serving import load_prompts
-    from specserve.drafter.evaluate import _spec_counters
+    from specserve.drafter.evaluate import spec_counters
     from specserve.hardware import fast_dtype
     from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
 
@@ -129,7 +130,7 @@ def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
     )
     chats = load_prompts("chat", num_prompts + 2)
     generate_one_at_a_time(llm, chats[:2], max_tokens)  # warm-up, not counted
-    before = _spec_counters(llm)
+    before = spec_counters(llm)
     spy = subprocess.Popen(
         [py_spy(), "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking"]
         + ["--format", "raw", "--output", str(profile)],
@@ -140,7 +141,7 @@ def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
     tokens, seconds = generate_one_at_a_time(llm, chats[2:], max_tokens)
     spy.send_signal(signal.SIGINT)
     spy.wait(timeout=60)
-    after = _spec_counters(llm)
+    after = spec_counters(llm)
     drafts = int(after["drafts"] - before["drafts"])
     return {
         "arm": arm,
@@ -156,8 +157,12 @@ def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
     }
 
 
+def profile_path(out: Path, arm: str) -> Path:
+    return out / f"{arm.replace(':', '-k')}.txt"
+
+
 def measure(arm: str, args: argparse.Namespace) -> dict:
-    profile = args.out / f"{arm.replace(':', '-k')}.txt"
+    profile = profile_path(args.out, arm)
     command = [sys.executable, "-m", "specserve.bench.spec_round", "--worker", arm]
     command += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
     command += ["--out", str(args.out)]
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker:
-        profile = args.out / f"{args.worker.replace(':', '-k')}.txt"
+        profile = profile_path(args.out, args.worker)
         print(json.dumps(worker(args.worker, args.num_prompts, args.max_tokens, profile)))
         return 0
     results = []

@@ -53,7 +53,9 @@ class Acceptance:
         }
 
 
-def _spec_counters(llm) -> dict:
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters of an offline engine, summed: drafts, draft tokens,
+    accepted tokens and accepted per position."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
     for metric in llm.get_metrics():
         name = metric.name
@@ -99,12 +101,12 @@ def evaluate(
                 speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": k},
             )
             for set_name, conversations in prompt_sets.items():
-                before = _spec_counters(llm)
+                before = spec_counters(llm)
                 if all(isinstance(c, str) for c in conversations):  # rendered plain prompts
                     outputs = llm.generate(conversations, params, use_tqdm=False)
                 else:
                     outputs = llm.chat(conversations, params, use_tqdm=False)
-                after = _spec_counters(llm)
+                after = spec_counters(llm)
                 per_position = [
                     a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
                     for i, a in enumerate(after["per_position"])

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3")
     args = parser.parse_args(argv)
 
-    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, built_records
-    from specserve.drafter.train import TrainConfig, new_drafter, offline_acceptance, train
+    from specserve.drafter.pipeline import built_records, variant_drafter
+    from specserve.drafter.train import TrainConfig, offline_acceptance, train
 
     work, target, records, validation = built_records(args.work_dir)
     records = nested_order(records)
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         answer_tokens = sum(r["input_ids"].numel() - r["answer_start"] for r in subset)
         epochs = args.updates * TrainConfig.tokens_per_update / answer_tokens
         config = TrainConfig(updates=args.updates)
-        vocab = PipelineConfig.draft_vocab_size  # as the build's drafters
-        model = new_drafter(target, subset, draft_vocab_size=vocab, **VARIANTS[args.variant])
+        model = variant_drafter(target, subset, args.variant)  # as the build's drafters
         out = work / "data-bench" / f"{args.variant}-{args.updates}-{share:g}"
         train(model, subset, out, config, desc=f"{args.variant} on {share:g} of the data")
         held_out = offline_acceptance(model, validation, config.steps)

@@ -30,16 +30,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--validate-every", type=int, default=100)
     args = parser.parse_args(argv)
 
-    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, built_records
-    from specserve.drafter.train import TrainConfig, init_from_target_layer, new_drafter, train
+    from specserve.drafter.pipeline import built_records, variant_drafter
+    from specserve.drafter.train import TrainConfig, init_from_target_layer, train
 
     work, target, records, validation = built_records(args.work_dir)
 
     curves: dict[str, list[dict]] = {}
     for init in args.inits:
         config = TrainConfig(updates=args.updates, validate_every=args.validate_every)
-        vocab = PipelineConfig.draft_vocab_size
-        model = new_drafter(target, records, draft_vocab_size=vocab, **VARIANTS[args.variant])
+        model = variant_drafter(target, records, args.variant)
         if init == "target-layer":
             init_from_target_layer(model, target)
         out = work / "init-bench" / f"{args.variant}-{args.updates}-{init}"

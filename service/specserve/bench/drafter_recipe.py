@@ -42,19 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     args = parser.parse_args(argv)
 
-    from specserve.drafter.pipeline import VARIANTS, PipelineConfig, built_records
-    from specserve.drafter.train import TrainConfig, new_drafter, offline_acceptance, train
+    from specserve.drafter.pipeline import built_records, variant_drafter
+    from specserve.drafter.train import TrainConfig, offline_acceptance, train
 
     work, target, records, validation = built_records(args.work_dir)
     bench_dir = work / "recipe-bench" / f"{args.variant}-{args.minutes:g}min"
-
-    def fresh():
-        return new_drafter(
-            target,
-            records,
-            draft_vocab_size=PipelineConfig.draft_vocab_size,
-            **VARIANTS[args.variant],
-        )
 
     results = []
     for name in args.recipes:
@@ -63,12 +55,12 @@ def main(argv: list[str] | None = None) -> None:
         out = bench_dir / name
         for stale in (probe, out):  # a budget's update count depends on the probe: start afresh
             shutil.rmtree(stale, ignore_errors=True)
-        model = fresh()
+        model = variant_drafter(target, records, args.variant)
         started = time.monotonic()
         train(model, records, probe, replace(config, updates=PROBE_UPDATES), desc=f"{name} probe")
         per_update = (time.monotonic() - started) / PROBE_UPDATES
         updates = max(PROBE_UPDATES, int(args.minutes * 60 / per_update))
-        model = fresh()
+        model = variant_drafter(target, records, args.variant)
         started = time.monotonic()
         model = train(
             model,

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from specserve.drafter.pipeline import VARIANTS, PipelineConfig, split_validation
-from specserve.drafter.train import TrainConfig, load_records, new_drafter, train
+from specserve.drafter.pipeline import VARIANTS, split_validation, variant_drafter
+from specserve.drafter.train import TrainConfig, load_records, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if not shards:
             raise SystemExit(f"{args.work_dir}/features has no shards: run `drafter build` first")
         records, validation = split_validation(load_records(shards))
-        model = new_drafter(
-            target,
-            records,
-            draft_vocab_size=PipelineConfig.draft_vocab_size,
-            **VARIANTS[args.variant],
-        ).to(device)
+        model = variant_drafter(target, records, args.variant).to(device)
         config = TrainConfig(
             epochs=args.epochs,
             steps=args.steps,

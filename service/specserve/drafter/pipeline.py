@@ -304,6 +304,19 @@ def training_mix(prompts: list[Prompt], total: int, seed: int = 0) -> list[Promp
     return shuffled(chosen, f"mix-order:{seed}")
 
 
+def variant_drafter(target_dir: str, records: list[dict], variant: str):
+    """A new drafter of `variant` (a key of `VARIANTS`) with the build's draft vocabulary, as
+    `make drafters` starts one: what the benchmarks and the data-parallel trainer train."""
+    from specserve.drafter.train import new_drafter
+
+    return new_drafter(
+        target_dir,
+        records,
+        draft_vocab_size=PipelineConfig.draft_vocab_size,
+        **VARIANTS[variant],
+    )
+
+
 def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], list[dict]]:
     """Hold one sequence in `share` out of training, chosen by content (stable across runs)."""
     training: list[dict] = []

@@ -83,7 +83,10 @@ MISMATCHED_ARM = """\
     weight: 1
     speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
     engine: {{enforce_eager: true, max_num_seqs: 16}}  # dtype: as the other arms'
-    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "0",
+    # Core 1, which it shares with ngram: the A/B report test splits traffic between it and
+    # no-spec (core 0) with ngram idle, so each arm computes on a core of its own. On no-spec's
+    # core the two would slice one core between them and the TPOT difference drown in that.
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: "1",
           VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}}
 """
 

@@ -23,6 +23,8 @@ DEPLOYMENT_OPTIONS = {
     "max_queued_requests": "max_queued_requests",
     "max_surge_percent": "max_surge_percent",
 }
+# vLLM's own `max_num_seqs` default: what an engine batches when the arm does not say.
+DEFAULT_MAX_NUM_SEQS = 256
 # Keys that moved; the error for an old key names its replacement.
 RENAMED_KEYS = {"num_draft_tokens": "num_speculative_tokens", "draft_model": "model"}
 
@@ -132,6 +134,18 @@ class ArmEngineConfig(_Strict):
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment variables of the engine processes."
     )
+
+    def ongoing_per_replica(self) -> int:
+        """Requests one engine replica takes at once: `max_ongoing_requests`, else what the
+        engine batches."""
+        return self.max_ongoing_requests or int(
+            self.engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        )
+
+    def capacity_per_proxy(self) -> int:
+        """The most requests one HTTP proxy has at this arm at once: every replica full with
+        its requests, and its own queue for the arm full."""
+        return self.replicas * self.ongoing_per_replica() + self.max_queued_requests
 
     @field_validator("engine")
     @classmethod

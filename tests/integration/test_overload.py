@@ -48,11 +48,11 @@ def test_three_times_capacity_gets_429_with_retry_after_and_the_rest_is_served(l
     for response, seconds in results:
         by_status.setdefault(response.status_code, []).append((response, seconds))
     assert set(by_status) == {200, 429}, {s: r[0][0].text for s, r in by_status.items()}
-    # The queues stay bounded: what lies beyond them is refused. Ray Serve's queue-length check
-    # is not atomic under a burst (it logs num_queued_requests=11 against a bound of 8), so up to
-    # half as much again may be admitted, and it may refuse a few early while queued requests
-    # are still being assigned; unbounded queues would have served all of them.
-    assert len(by_status[200]) <= capacity * 3 // 2, len(by_status[200])
+    # The queues stay bounded: what lies beyond them is refused, the dispatch's own count keeping
+    # the bound that Ray Serve's queue check lets a burst past (it logged 29 queued against 16
+    # and served 33). Ray Serve may still refuse a few early, while queued requests are being
+    # assigned; unbounded queues would have served all of them.
+    assert len(by_status[200]) <= capacity, len(by_status[200])
     assert len(by_status[200]) >= NGRAM_ONGOING
     for response, _ in by_status[429]:
         error = response.json()["error"]

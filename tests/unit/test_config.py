@@ -186,6 +186,27 @@ def test_replica_and_queue_settings_are_deployment_options_outside_the_builders_
     assert scaled["applications"][2] == plain["applications"][2]
 
 
+def test_an_arms_capacity_per_proxy_is_its_replicas_full_and_its_queue_full():
+    from specserve.engine.arm import deployment_config
+
+    text = BASE.replace(
+        "{name: no-spec, weight: 1}",
+        "{name: no-spec, weight: 1, replicas: 2, max_queued_requests: 8,"
+        " engine: {max_num_seqs: 16}}",
+    ).replace("weight: 1\n", "weight: 1\n    max_ongoing_requests: 3\n")
+    batching, bounded = parse_config(text).arm("no-spec"), parse_config(text).arm("ngram")
+    unset = parse_config(BASE).arm("no-spec")
+    assert batching.capacity_per_proxy() == 2 * 16 + 8  # ongoing: what the engine batches
+    assert bounded.capacity_per_proxy() == 3 + 64
+    assert unset.capacity_per_proxy() == 256 + 64  # vLLM's default batch, the default queue
+    for arm in (batching, bounded, unset):  # the bounds Ray Serve is given
+        options = deployment_config(arm)
+        assert arm.capacity_per_proxy() == (
+            options["num_replicas"] * options["max_ongoing_requests"]
+            + options["max_queued_requests"]
+        )
+
+
 def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     import ray
 

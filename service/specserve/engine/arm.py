@@ -18,6 +18,7 @@ from specserve.config import ArmEngineConfig, ModelConfig
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
+from specserve.router.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 from specserve.serve_config import arm_app_name
 
 # Engine defaults for every arm; the arm's own `engine` settings win.
@@ -25,12 +26,6 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # Per-request acceptance in the response body lets the router attribute it to the arm.
     "per_request_spec_decode_metrics": "summary",
 }
-# vLLM's own `max_num_seqs` default: what an engine batches when the arm does not say.
-DEFAULT_MAX_NUM_SEQS = 256
-# A request refused because the arm's queue is full: 429 (what OpenAI answers when overloaded,
-# and what its clients back off on) and when to try again.
-OVERLOAD_STATUS = 429
-OVERLOAD_RETRY_AFTER_S = 1
 
 
 def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
@@ -39,12 +34,9 @@ def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
     and beyond that is refused at once instead of waiting without bound. The builder's args
     leave out the replica and queue settings the config sets: those reach Ray Serve as options
     of the deployment in the Serve config (serve_config.py) and win over these defaults."""
-    max_ongoing = arm.max_ongoing_requests or int(
-        arm.engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
-    )
     return {
         "num_replicas": arm.replicas,
-        "max_ongoing_requests": max_ongoing,
+        "max_ongoing_requests": arm.ongoing_per_replica(),
         "max_queued_requests": arm.max_queued_requests,
         "backpressure_config": {
             "status_code": OVERLOAD_STATUS,

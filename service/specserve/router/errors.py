@@ -18,12 +18,19 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.context import _get_serve_request_context
 from starlette.exceptions import HTTPException
 
+from specserve.headers import RETRY_AFTER
+
 logger = logging.getLogger(__name__)
 
 # What a client reads at the end of a stream whose engine failed mid-way.
 MID_STREAM_FAILURE = "the model failed mid-stream; the answer is incomplete"
 # Status of a response nobody receives (nginx's convention for a client that left).
 CLIENT_CLOSED_REQUEST = 499
+# A request refused because its arm is full: 429 (what OpenAI answers when overloaded, and what
+# its clients back off on), and when to try again. Ray Serve answers so for the arms' queues
+# (engine/arm.py) and the dispatch for its own bound on them.
+OVERLOAD_STATUS = 429
+OVERLOAD_RETRY_AFTER_S = 1
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "none", "literal"})
 
@@ -55,6 +62,15 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+
+def arm_overloaded(arm: str, retry_after: str) -> OpenAIError:
+    return OpenAIError(
+        OVERLOAD_STATUS,
+        f"arm {arm!r} is at capacity (its request queue is full); retry after {retry_after} s",
+        code="arm_overloaded",
+        headers={RETRY_AFTER: retry_after},
+    )
 
 
 def request_id() -> str:

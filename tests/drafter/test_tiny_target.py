@@ -126,7 +126,7 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
 
     model = new_drafter(tiny_target, records, draft_vocab_size=512, **switches)
     if model.fc_norm is not None:  # each norm starts at its layer's scale
-        scales = [float(norm.weight.mean()) for norm in model.fc_norm]
+        scales = [norm.weight.mean().item() for norm in model.fc_norm]
         assert scales == pytest.approx(captured_rms(records, 3), rel=1e-5)
     config = TrainConfig(epochs=4, tokens_per_update=64, lr=3e-3, checkpoint_every=5)
     train(model, records, tmp_path / "run", config)

@@ -489,7 +489,9 @@ class _Exchange:
         assert self.foreign is not None
         status = int(self.foreign["status"])
         ray_headers = dict(self.foreign.get("headers") or ())
-        retry_after = ray_headers.get(headers.RETRY_AFTER.encode(), b"1").decode()
+        retry_after = ray_headers.get(
+            headers.RETRY_AFTER.encode(), str(OVERLOAD_RETRY_AFTER_S).encode()
+        ).decode()
         arm = self.record.arm
         if status == OVERLOAD_STATUS:
             error = arm_overloaded(arm, retry_after)

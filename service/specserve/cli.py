@@ -19,7 +19,7 @@ from specserve.config import (
     parse_config,
     read_config_file,
 )
-from specserve.engine.preflight import check_engine_settings
+from specserve.config_checks import check_engine_settings
 
 
 def main(argv: list[str] | None = None) -> int:

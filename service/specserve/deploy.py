@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.config import LoadedConfig, load_config
-from specserve.engine.preflight import check_engine_settings
+from specserve.config_checks import check_engine_settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
 from specserve.serve_config import (

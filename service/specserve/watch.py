@@ -3,7 +3,7 @@
 Kubernetes swaps a mounted ConfigMap by re-pointing a `..data` symlink, so change detection reads
 the file's bytes through the path (never inotify on the inode) and compares revisions. An invalid
 new file is logged and counted once, and the last good config keeps serving. Valid means the
-schema and the engine settings vLLM would accept (engine/preflight.py).
+schema and the engine settings vLLM would accept (config_checks.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.config import ConfigError, LoadedConfig, parse_config, revision_of
-from specserve.engine.preflight import check_engine_settings
+from specserve.config_checks import check_engine_settings
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from specserve.config import ArmEngineConfig, ModelConfig
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
-from specserve.router.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 from specserve.serve_config import arm_app_name
+from specserve.wire.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 
 # Engine defaults for every arm; the arm's own `engine` settings win.
 ENGINE_DEFAULTS: dict[str, Any] = {

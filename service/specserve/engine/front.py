@@ -1,7 +1,7 @@
 """An arm's OpenAI front: the HTTP app of the arm's engine replica, which the dispatch (the router
 in each HTTP proxy) routes requests to.
 
-It validates the request schema (engine/validation.py) and runs it on the replica's own engine,
+It validates the request schema (wire/validation.py) and runs it on the replica's own engine,
 in process: a stream passes through chunk by chunk and always ends with the usage chunk (the
 token count and vLLM's per-request speculative-decoding stats, which the dispatch records and
 drops when the client did not ask for usage); a non-streaming answer carries the same in an
@@ -22,15 +22,15 @@ from fastapi.responses import Response, StreamingResponse
 from ray.serve.llm import LLMConfig, LLMServer
 
 from specserve import headers
-from specserve.engine.validation import validate_request
-from specserve.router.errors import (
+from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     OpenAIError,
     error_event,
     install_error_handlers,
     request_id,
 )
-from specserve.router.requests import CHAT, COMPLETIONS, PATHS, parse_body
+from specserve.wire.requests import CHAT, COMPLETIONS, PATHS, parse_body
+from specserve.wire.validation import validate_request
 
 logger = logging.getLogger(__name__)
 

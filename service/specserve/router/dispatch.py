@@ -37,7 +37,7 @@ from starlette.middleware import Middleware
 
 from specserve import headers
 from specserve.config import ConfigError, LoadedConfig, RouterConfig, load_config
-from specserve.engine.preflight import check_engine_settings
+from specserve.config_checks import check_engine_settings
 from specserve.metrics import OUTCOME_CANCELLED, OUTCOME_SERVER_ERROR, RouterMetrics
 from specserve.router.arm_states import (
     FIRST_READ_WAIT_S,
@@ -46,7 +46,12 @@ from specserve.router.arm_states import (
     ServeState,
     read_serve_state,
 )
-from specserve.router.errors import (
+from specserve.router.guardrail import AcceptanceGuard
+from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
+from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
+from specserve.serve_config import ARM_ROUTE_PREFIX
+from specserve.watch import ConfigWatcher
+from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     OVERLOAD_RETRY_AFTER_S,
     OVERLOAD_STATUS,
@@ -55,9 +60,7 @@ from specserve.router.errors import (
     error_body,
     error_event,
 )
-from specserve.router.guardrail import AcceptanceGuard
-from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
-from specserve.router.requests import (
+from specserve.wire.requests import (
     ENDPOINT_OF_PATH,
     READY_PATH,
     body_too_large,
@@ -65,9 +68,6 @@ from specserve.router.requests import (
     parse_body,
     wants_usage,
 )
-from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
-from specserve.serve_config import ARM_ROUTE_PREFIX
-from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
 

@@ -20,16 +20,16 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from specserve.config import LoadedConfig, RouterConfig, load_config
-from specserve.engine.validation import REQUEST_MODELS
-from specserve.router.errors import OpenAIError, install_error_handlers
-from specserve.router.openapi import openapi_document
-from specserve.router.requests import CHAT, COMPLETIONS, PATHS, READY_PATH, unknown_model
 from specserve.serve_config import (
     PROXY_HOOK,
     PROXY_HOOK_ENV,
     ROUTER_DEPLOYMENT_NAME,
 )
 from specserve.watch import ConfigWatcher
+from specserve.wire.errors import OpenAIError, install_error_handlers
+from specserve.wire.openapi import openapi_document
+from specserve.wire.requests import CHAT, COMPLETIONS, PATHS, READY_PATH, unknown_model
+from specserve.wire.validation import REQUEST_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ NO_DISPATCH = (
     f"requests: start every Ray node with {PROXY_HOOK_ENV}={PROXY_HOOK} in its environment"
 )
 
-# The OpenAPI document is served by the router from its live config (see openapi.py).
+# The OpenAPI document is served by the router from its live config (see wire/openapi.py).
 app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
 install_error_handlers(app)
 

@@ -2,7 +2,7 @@
 a JSON object of bounded size and depth, this deployment's model, and the configured limits.
 
 These checks depend on the config, so they run in the dispatch (the router in each HTTP proxy);
-the request schema itself is checked by the arm that serves the request (engine/validation.py).
+the request schema itself is checked by the arm that serves the request (wire/validation.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from specserve.config import RouterConfig
-from specserve.router.errors import OpenAIError
+from specserve.wire.errors import OpenAIError
 
 CHAT, COMPLETIONS = "chat", "completions"
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from specserve.config import ConfigError, RouterConfig, load_config
-from specserve.engine.preflight import check_engine_settings, engine_problems
+from specserve.config_checks import check_engine_settings, engine_problems
 from specserve.metrics import RELOAD_INVALID
 from specserve.watch import ConfigWatcher
 

@@ -1,6 +1,6 @@
 """The request schema, checked by the arm that serves the request: vLLM's own request models, plus
 what they admit but the engine then fails on. The router has already checked size, model and
-limits (router/requests.py)."""
+limits (wire/requests.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pydantic import BaseModel, ValidationError
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from specserve.router.errors import OpenAIError, from_validation_error
-from specserve.router.requests import CHAT, COMPLETIONS
+from specserve.wire.errors import OpenAIError, from_validation_error
+from specserve.wire.requests import CHAT, COMPLETIONS
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,

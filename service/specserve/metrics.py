@@ -47,6 +47,7 @@ RESULT = "result"
 REVISION = "revision"
 SELECTED_BY = "selected_by"
 STAT = "stat"
+KEY = "key"  # an API key's name (never the key)
 
 # Request outcomes (label values of specserve_requests_total).
 OUTCOME_OK = "ok"
@@ -60,6 +61,14 @@ NO_ARM = "-"
 SELECTED_BY_OVERRIDE = "override"  # the override header named it
 SELECTED_BY_STICKY = "sticky"  # a sticky key hashed onto the weights of running arms
 SELECTED_BY_WEIGHT = "weight"  # random by the weights of running arms
+# Authentication results (label values of specserve_api_key_requests_total).
+AUTH_ACCEPTED = "accepted"
+AUTH_MISSING = "missing"  # no key sent: 401
+AUTH_INVALID = "invalid"  # a key that is not configured: 401
+AUTH_FORBIDDEN = "forbidden"  # a public key asked for an admin power: 403
+AUTH_RATE_LIMITED = "rate_limited"  # past the key's per-minute limits: 429
+# The key label of requests with no valid key (no key name can be empty).
+NO_KEY = "-"
 # Config reload results (label values of specserve_config_reloads_total).
 RELOAD_APPLIED = "applied"
 RELOAD_INVALID = "invalid"
@@ -102,6 +111,9 @@ REQUESTS_IN_FLIGHT = f"{PREFIX}_requests_in_flight"
 CONFIG_INFO = f"{PREFIX}_config_info"
 CONFIG_RELOADS = f"{PREFIX}_config_reloads"
 CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
+API_KEY_REQUESTS = f"{PREFIX}_api_key_requests"
+API_KEY_OUTPUT_TOKENS = f"{PREFIX}_api_key_output_tokens"
+ARM_STATES_AGE = f"{PREFIX}_arm_states_age_seconds"
 
 COUNTERS = (
     REQUESTS,
@@ -117,6 +129,8 @@ COUNTERS = (
     ENGINE_RETRIES,
     REQUEST_STAT_SUM,
     REQUEST_STAT_SQUARES,
+    API_KEY_REQUESTS,
+    API_KEY_OUTPUT_TOKENS,
 )
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN,
@@ -132,6 +146,7 @@ GAUGES = (
     REQUESTS_IN_FLIGHT,
     CONFIG_INFO,
     CONFIG_LAST_RELOAD_SUCCESS,
+    ARM_STATES_AGE,
 )
 
 
@@ -265,6 +280,21 @@ class RouterMetrics:
             "1 if the newest config file seen was valid and applied, 0 if it was rejected.",
             (MODEL,),
         )
+        self.api_key_requests = Counter(
+            API_KEY_REQUESTS,
+            "Inference requests by API key name and authentication result (accepted, missing, "
+            "invalid, forbidden, rate_limited); key `-` when no valid key was sent.",
+            (MODEL, KEY, RESULT),
+        )
+        self.api_key_output_tokens = Counter(
+            API_KEY_OUTPUT_TOKENS, "Generated tokens by API key name.", (MODEL, KEY)
+        )
+        self.arm_states_age = Gauge(
+            ARM_STATES_AGE,
+            "Seconds since this router last read which arms run from the Ray Serve "
+            "controller (about 1 normally; growing while the controller does not answer).",
+            (MODEL,),
+        )
         # The gauges' current values, set again by every refresh.
         self._revision = ""
         self._weights: dict[str, float] = {}
@@ -272,6 +302,7 @@ class RouterMetrics:
         self._drained: frozenset[str] = frozenset()
         self._in_flight = 0
         self._last_reload_ok = True
+        self._arm_states_age_s = 0.0
 
     def _tags(self, arm: str, **more: str) -> dict[str, str]:
         return {MODEL: self.model, ARM: arm, **more}
@@ -298,6 +329,9 @@ class RouterMetrics:
     def set_in_flight(self, count: int) -> None:
         self._in_flight = count
 
+    def set_arm_states_age(self, seconds: float) -> None:
+        self._arm_states_age_s = seconds
+
     def count_retry(self, arm: str) -> None:
         self.engine_retries.inc(1, self._tags(arm))
 
@@ -311,6 +345,7 @@ class RouterMetrics:
             self.config_info.set(1, {MODEL: self.model, REVISION: self._revision})
         self.config_last_reload_success.set(1 if self._last_reload_ok else 0, {MODEL: self.model})
         self.requests_in_flight.set(self._in_flight, {MODEL: self.model})
+        self.arm_states_age.set(self._arm_states_age_s, {MODEL: self.model})
         for arm, weight in self._weights.items():
             self.arm_weight.set(weight, self._tags(arm))
         for arm, is_running in self._running.items():
@@ -327,6 +362,14 @@ class RouterMetrics:
         self.arm_selections.inc(1, self._tags(arm, **{SELECTED_BY: selected_by}))
         if fallback_from is not None:
             self.routing_fallbacks.inc(1, self._tags(fallback_from))
+
+    def count_auth(self, key: str, result: str) -> None:
+        """One inference request's authentication, by key name (never the key)."""
+        self.api_key_requests.inc(1, {MODEL: self.model, KEY: key, RESULT: result})
+
+    def count_key_tokens(self, key: str, tokens: int) -> None:
+        if tokens > 0:  # Ray's counters refuse increments of 0
+            self.api_key_output_tokens.inc(tokens, {MODEL: self.model, KEY: key})
 
     def count_request(self, arm: str, endpoint: str, outcome: str) -> None:
         self.requests.inc(1, self._tags(arm, **{ENDPOINT: endpoint, OUTCOME: outcome}))

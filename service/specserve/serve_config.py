@@ -49,6 +49,11 @@ PROXY_HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_HOOK = "specserve.router.dispatch:middlewares"
 # Where the chart mounts the router config (a ConfigMap) in every Ray pod.
 MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
+# Where the chart mounts the API keys Secret in every Ray pod: one file of public keys and one
+# of admin keys (wire/auth.py reads their format), named by the router application's args.
+MOUNTED_KEYS_DIR = "/etc/specserve/keys"
+API_KEYS_FILE = "api-keys"
+ADMIN_KEYS_FILE = "admin-keys"
 HTTP_PORT = 8000
 
 
@@ -67,13 +72,29 @@ def arm_name_of_app(app_name: str) -> str | None:
 
 
 def router_application(
-    *, config_path: str, config_poll_s: float = 1.0, replicas: int = 1
+    *,
+    config_path: str,
+    config_poll_s: float = 1.0,
+    replicas: int = 1,
+    api_keys_file: str | None = None,
+    admin_keys_file: str | None = None,
 ) -> dict[str, Any]:
+    """The router application; the dispatch in every proxy reads these args. With no keys
+    files, requests are served without API keys."""
+    args: dict[str, Any] = {
+        "config_path": config_path,
+        "config_poll_s": config_poll_s,
+        "replicas": replicas,
+    }
+    if api_keys_file is not None:
+        args["api_keys_file"] = api_keys_file
+    if admin_keys_file is not None:
+        args["admin_keys_file"] = admin_keys_file
     return {
         "name": ROUTER_APP_NAME,
         "route_prefix": "/",
         "import_path": ROUTER_BUILDER,
-        "args": {"config_path": config_path, "config_poll_s": config_poll_s, "replicas": replicas},
+        "args": args,
     }
 
 
@@ -108,10 +129,16 @@ def serve_config(
     host: str = "0.0.0.0",
     port: int = HTTP_PORT,
     expose_arms: bool = False,
+    api_keys_file: str | None = None,
+    admin_keys_file: str | None = None,
 ) -> dict[str, Any]:
     """The document `serve deploy` and a RayService's `serveConfigV2` take."""
     router = router_application(
-        config_path=config_path, config_poll_s=config_poll_s, replicas=router_replicas
+        config_path=config_path,
+        config_poll_s=config_poll_s,
+        replicas=router_replicas,
+        api_keys_file=api_keys_file,
+        admin_keys_file=admin_keys_file,
     )
     arms = [arm_application(arm, config, expose_http=expose_arms) for arm in config.arms]
     return {

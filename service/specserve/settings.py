@@ -44,6 +44,21 @@ class Settings(BaseSettings):
         "front under /arms/<name>/v1 and vLLM's own OpenAI server under /arms/<name>/vllm/v1 "
         "(debugging; the router-overhead benchmark compares the router with the latter).",
     )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of the API keys clients must send (`Authorization: Bearer KEY`): one "
+        "key a line, `name=key` or a bare key, `#` comments; re-read when it changes. Unset: "
+        "no keys, allowed only on a loopback address (see `allow_unauthenticated`).",
+    )
+    admin_keys_file: Path | None = Field(
+        None,
+        description="File of the admin keys, in the same format: they may also force an arm "
+        "(`x-specserve-arm`). An admin key is an API key too.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without API keys on a non-loopback address (refused otherwise).",
+    )
     ray_address: str | None = Field(
         None, description="Join this Ray cluster instead of starting a local one."
     )

@@ -45,7 +45,7 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
 
 
 OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
-OWN_LABELS |= {m.SELECTED_BY, m.STAT, "le"}
+OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, "le"}
 
 
 def test_router_metrics_as_ray_exports_them(exporter):
@@ -66,6 +66,10 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.observe_spec_decode("a", stats)
     metrics.count_drain("a")
     metrics.count_retry("a")
+    metrics.count_auth("team-a", m.AUTH_ACCEPTED)
+    metrics.count_auth(m.NO_KEY, m.AUTH_INVALID)
+    metrics.count_key_tokens("team-a", 7)
+    metrics.set_arm_states_age(2.5)
 
     def sample(name, **labels):
         return (m.EXPORT_PREFIX + name, frozenset({"model": "m1", **labels}.items()))
@@ -97,6 +101,10 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.GUARDRAIL_DRAINS + "_total", arm="a") == 1
     assert value(m.ARM_DRAINED, arm="a") == 1
     assert value(m.ENGINE_RETRIES + "_total", arm="a") == 1
+    assert value(m.API_KEY_REQUESTS + "_total", key="team-a", result="accepted") == 1
+    assert value(m.API_KEY_REQUESTS + "_total", key="-", result="invalid") == 1
+    assert value(m.API_KEY_OUTPUT_TOKENS + "_total", key="team-a") == 7
+    assert value(m.ARM_STATES_AGE) == 2.5
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1

@@ -5,6 +5,8 @@
 - k8s/: plain manifests for users without Helm, rendered from the chart with the real Helm engine
   (helm-python-sdk) for both profiles: objects both profiles share go to `base/`, the others to
   `overlays/cpu` and `overlays/gb200`, the monitoring custom resources to `components/monitoring`.
+  They mount an API keys Secret the operator creates (`specserve-api-keys`) instead of the one
+  with random keys the chart creates.
 
 tests/deploy checks that the committed files equal what this writes.
 """
@@ -30,6 +32,9 @@ MONITORING = {"enabled": True}
 MONITORING_KINDS = {"PodMonitor", "PrometheusRule"}
 # Helm's bookkeeping labels, which plain manifests do not carry.
 HELM_LABELS = {"helm.sh/chart": None, "app.kubernetes.io/managed-by": "kustomize"}
+# Plain manifests cannot draw random API keys as the chart does at install: they mount the Secret
+# the operator creates under the name the chart would give it (docs/kubernetes.md).
+API_KEYS_SECRET = f"{RELEASE}-api-keys"
 
 
 def values_schema() -> dict[str, Any]:
@@ -58,6 +63,12 @@ def profile_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
             {"monitoring": {"podMonitor": MONITORING, "prometheusRule": MONITORING}},
         )
     return values
+
+
+def manifest_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
+    """The values k8s/ is rendered with: the profile's, with the operator's API keys Secret."""
+    values = profile_values(profile, monitoring=monitoring)
+    return _merge(values, {"apiKeys": {"existingSecret": API_KEYS_SECRET}})
 
 
 def render(values: dict[str, Any], *, name: str = RELEASE, namespace: str = NAMESPACE) -> dict:
@@ -99,12 +110,12 @@ def key(obj: dict[str, Any]) -> tuple[str, str]:
 def k8s_files() -> dict[Path, str]:
     """Every file under k8s/, by path relative to it."""
     by_profile = {
-        profile: {key(o): plain(o) for o in objects(render(profile_values(profile)))}
+        profile: {key(o): plain(o) for o in objects(render(manifest_values(profile)))}
         for profile in PROFILES
     }
     monitoring = [
         plain(o)
-        for o in objects(render(profile_values("cpu", monitoring=True)))
+        for o in objects(render(manifest_values("cpu", monitoring=True)))
         if o["kind"] in MONITORING_KINDS
     ]
     cpu, gb200 = by_profile["cpu"], by_profile["gb200"]

@@ -12,7 +12,15 @@ from ray.serve.schema import ServeDeploySchema
 
 from specserve import cluster_config
 from specserve.config import parse_config, revision_of
-from specserve.serve_config import MOUNTED_CONFIG_PATH, PROXY_HOOK, PROXY_HOOK_ENV, serve_config
+from specserve.serve_config import (
+    ADMIN_KEYS_FILE,
+    API_KEYS_FILE,
+    MOUNTED_CONFIG_PATH,
+    MOUNTED_KEYS_DIR,
+    PROXY_HOOK,
+    PROXY_HOOK_ENV,
+    serve_config,
+)
 from tests.deploy.conftest import (
     by_kind,
     generate,
@@ -23,6 +31,11 @@ from tests.deploy.conftest import (
 )
 
 PROFILES = ("cpu", "gb200")
+# The key files of the mounted Secret, as the chart names them in the router's args.
+KEY_FILES = {
+    "api_keys_file": f"{MOUNTED_KEYS_DIR}/{API_KEYS_FILE}",
+    "admin_keys_file": f"{MOUNTED_KEYS_DIR}/{ADMIN_KEYS_FILE}",
+}
 MONITORING_ON = {
     "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
 }
@@ -84,6 +97,7 @@ def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendere
         config_path=MOUNTED_CONFIG_PATH,
         config_poll_s=values["router"]["configPollSeconds"],
         router_replicas=values["router"]["replicas"],
+        **KEY_FILES,
     )
     assert document == expected
     # Weights are not part of it: a weight change never redeploys an engine.
@@ -103,6 +117,7 @@ def test_an_arms_replica_and_queue_settings_render_as_its_deployment_options():
         config_path=MOUNTED_CONFIG_PATH,
         config_poll_s=values["router"]["configPollSeconds"],
         router_replicas=values["router"]["replicas"],
+        **KEY_FILES,
     )
     assert document == expected
     first = document["applications"][1]
@@ -279,6 +294,18 @@ def test_config_editor_role_grants_exactly_what_the_config_commands_use():
         ),
         ({"router": {"replicas": 0}}, "/router/replicas"),
         ({"workerGroups": []}, "/workerGroups"),
+        ({"apiKeys": {"enabled": False}}, "set apiKeys.allowUnauthenticated: true"),
+        ({"apiKeys": {"enabled": True, "bogus": 1}}, "'bogus' not allowed"),
+        ({"networkPolicy": {"enabled": True, "apiFrom": [{}]}}, "/networkPolicy/apiFrom/0"),
+        (
+            {
+                "networkPolicy": {
+                    "apiFrom": [{"namespaceSelector": {}}],
+                    "operatorFrom": [{"namespaceSelector": {}}],
+                }
+            },
+            "networkPolicy.apiFrom: peer",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(values, message):

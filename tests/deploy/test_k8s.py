@@ -43,7 +43,7 @@ def test_overlay_renders_the_objects_the_chart_installs(profile):
     from_helm = keyed(
         [
             generate.plain(o)
-            for o in generate.objects(generate.render(generate.profile_values(profile)))
+            for o in generate.objects(generate.render(generate.manifest_values(profile)))
         ]
     )
     assert from_kustomize.keys() == from_helm.keys()
@@ -68,7 +68,24 @@ def test_monitoring_component_adds_the_chart_monitors(tmp_path):
         )
     )
     from_kustomize = keyed(kustomize(overlay))
-    values = generate.profile_values("cpu", monitoring=True)
+    values = generate.manifest_values("cpu", monitoring=True)
     from_helm = keyed([generate.plain(o) for o in generate.objects(generate.render(values))])
     assert from_kustomize == from_helm
     assert {kind for kind, _ in from_kustomize} >= generate.MONITORING_KINDS
+
+
+@pytest.mark.parametrize("profile", sorted(generate.PROFILES))
+def test_overlay_mounts_the_operators_keys_secret_behind_the_network_policy(profile):
+    """No keys are committed: the pods mount the Secret the operator creates (docs/kubernetes.md),
+    under the name the chart gives its own, and the deny-by-default policy comes along."""
+    objs = kustomize(generate.K8S / "overlays" / profile)
+    kinds = [o["kind"] for o in objs]
+    assert "Secret" not in kinds
+    assert kinds.count("NetworkPolicy") == 1
+    (service,) = [o for o in objs if o["kind"] == "RayService"]
+    cluster = service["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        secrets = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        assert secrets == [generate.API_KEYS_SECRET] == ["specserve-api-keys"]
+    assert "api_keys_file" in service["spec"]["serveConfigV2"]

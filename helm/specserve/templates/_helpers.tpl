@@ -48,6 +48,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-config" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The Secret of the API key files: the operator's (apiKeys.existingSecret) or the chart's. */}}
+{{- define "specserve.apiKeysSecretName" -}}
+{{- if .Values.apiKeys.existingSecret }}
+{{- .Values.apiKeys.existingSecret }}
+{{- else }}
+{{- printf "%s-api-keys" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
 {{/* The revision of the router config file the ConfigMap holds (toYaml's text plus the newline
 the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers compute it. */}}
 {{- define "specserve.configRevision" -}}
@@ -68,6 +77,18 @@ the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers 
 {{- if not $positive }}
 {{- fail "config.arms: at least one arm needs weight > 0" }}
 {{- end }}
+{{- with .Values.apiKeys }}
+{{- if and (not .enabled) (not .allowUnauthenticated) }}
+{{- fail "apiKeys.enabled: false serves every route, the engines included, to anyone who reaches port 8000; set apiKeys.allowUnauthenticated: true as well to mean it" }}
+{{- end }}
+{{- end }}
+{{- if .Values.networkPolicy.enabled }}
+{{- range .Values.networkPolicy.apiFrom }}
+{{- if has . $.Values.networkPolicy.operatorFrom }}
+{{- fail (printf "networkPolicy.apiFrom: peer %s is in operatorFrom too, which reaches Ray's dashboard and job API (port 8265): give API clients a peer of their own" (toJson .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The image of every Ray pod: the GPU or CPU build, as the model's accelerator says. */}}
@@ -79,7 +100,14 @@ the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers 
 {{/* The Serve config (router app + one app per arm): `specserve config serve-config` renders the
 same document from the same router config; a test keeps the two equal. */}}
 {{- define "specserve.serveConfig" -}}
-{{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" (dict "config_path" "/etc/specserve/config.yaml" "config_poll_s" .Values.router.configPollSeconds "replicas" .Values.router.replicas) }}
+{{- $routerArgs := dict "config_path" "/etc/specserve/config.yaml" "config_poll_s" .Values.router.configPollSeconds "replicas" .Values.router.replicas }}
+{{- /* The key files of the mounted Secret (serve_config.py's MOUNTED_KEYS_DIR): the dispatch in
+every HTTP proxy reads them and re-reads them when kubelet updates the mount. */}}
+{{- if .Values.apiKeys.enabled }}
+{{- $_ := set $routerArgs "api_keys_file" "/etc/specserve/keys/api-keys" }}
+{{- $_ := set $routerArgs "admin_keys_file" "/etc/specserve/keys/admin-keys" }}
+{{- end }}
+{{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs }}
 {{- $apps := list $router }}
 {{- range .Values.config.arms }}
 {{- $args := dict "model" $.Values.config.model "arm" (omit . "weight" "replicas" "max_ongoing_requests" "max_queued_requests" "max_surge_percent") }}
@@ -99,7 +127,10 @@ DEPLOYMENT_OPTIONS): Ray Serve applies them in place. */}}
 
 {{/* Volumes and mounts every Ray container needs under the restricted Pod Security profile (a
 read-only root file system): Ray's session files under /tmp, caches under $HOME, shared memory,
-and the router config from its ConfigMap. */}}
+the router config from its ConfigMap and the API key files from their Secret (every node's HTTP
+proxy checks keys). Both are whole-volume mounts, never subPath: kubelet updates them in place,
+so a new config or a rotated key applies without a restart. The keys' mount point lies inside the
+config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, Kubernetes 1.10+). */}}
 {{- define "specserve.volumes" -}}
 - name: tmp
   emptyDir: {}
@@ -114,6 +145,11 @@ and the router config from its ConfigMap. */}}
 - name: router-config
   configMap:
     name: {{ include "specserve.configMapName" .root }}
+{{- if .root.Values.apiKeys.enabled }}
+- name: api-keys
+  secret:
+    secretName: {{ include "specserve.apiKeysSecretName" .root }}
+{{- end }}
 {{- with .root.Values.modelCache }}
 {{- if .enabled }}
 - name: model-cache
@@ -133,6 +169,11 @@ and the router config from its ConfigMap. */}}
 - name: router-config
   mountPath: /etc/specserve
   readOnly: true
+{{- if .Values.apiKeys.enabled }}
+- name: api-keys
+  mountPath: /etc/specserve/keys
+  readOnly: true
+{{- end }}
 {{- if .Values.modelCache.enabled }}
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}

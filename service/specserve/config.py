@@ -8,13 +8,51 @@ same file always has the same revision and a rollback restores the old revision 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from specserve import config_policy, headers
 
 ARM_NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,40}[a-z0-9])?$"
+# A lower-case HTTP header name (an RFC 9110 token), as ASGI delivers header names.
+HEADER_NAME_PATTERN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")
+# Headers that cannot pin sessions, and why.
+UNSTICKY_HEADERS = {
+    headers.REQUEST_ID: "differs on every request",
+    "authorization": "carries credentials, which the router must not keep as sticky keys",
+    "proxy-authorization": "carries credentials, which the router must not keep as sticky keys",
+    "cookie": "carries credentials, which the router must not keep as sticky keys",
+    "host": "is the same for every client",
+    "content-type": "is the same for every client",
+    "content-length": "describes the request, not the client",
+}
+# Every `x-specserve-*` header is the platform's own: set or removed by the dispatch.
+INTERNAL_HEADER_PREFIX = "x-specserve-"
+# Drafters shipped with the package are named by their directory under specserve/drafters.
+PACKAGE_SCHEME = "package://"
+PACKAGED_DRAFTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A config document is at most this large: the ConfigMap that carries it on Kubernetes holds at
+# most 1 MiB, and the router reads the file on every change.
+MAX_CONFIG_BYTES = 1 << 20
+# YAML aliases may share a node (an `&engine` anchor used by every arm) but not multiply it: a
+# document of a few hundred bytes whose nested aliases expand to billions of nodes ("billion
+# laughs") would take the validators, the engine check and the Serve config that long. A real
+# config is a few hundred nodes, expanded.
+MAX_CONFIG_NODES = 100_000
+# Deeper nesting than any config needs (it has 7 levels) would exhaust Python's recursion.
+MAX_CONFIG_DEPTH = 32
 # An arm's settings that Ray Serve applies to its running engine replicas without restarting
 # them, by their Ray Serve deployment option name (serve_config.py passes them as such).
 DEPLOYMENT_OPTIONS = {
@@ -34,7 +72,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinities (YAML's `.nan`, `.inf`) are refused in every float field: a weight of
+    # inf would make every weighted request fail in arm selection.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -82,8 +122,24 @@ class Eagle3Speculation(_Strict):
     method: Literal["eagle3"] = Field(
         description="EAGLE-3 drafter; EAGLE-3.1 checkpoints (fc_norm, norm_output) use it too."
     )
-    model: str = Field(description="Drafter checkpoint directory or hub id.")
+    model: str = Field(
+        description="Drafter checkpoint directory or hub id, or `package://NAME` for a drafter "
+        "shipped with specserve (a directory under specserve/drafters)."
+    )
     num_speculative_tokens: int = Field(gt=0, le=16, description="Draft tokens per step (k).")
+
+    @field_validator("model")
+    @classmethod
+    def _packaged_drafter_named_by_its_directory(cls, model: str) -> str:
+        # `package://../../etc` or `package:///etc` would reach outside the drafters directory.
+        if model.startswith(PACKAGE_SCHEME) and not PACKAGED_DRAFTER_NAME.match(
+            model.removeprefix(PACKAGE_SCHEME)
+        ):
+            raise ValueError(
+                f"`{model}`: a packaged drafter is named by its directory under "
+                "specserve/drafters (letters, digits, '.', '_', '-'; no path)"
+            )
+        return model
 
 
 Speculation = Annotated[
@@ -91,11 +147,26 @@ Speculation = Annotated[
 ]
 
 
+class CodeLoadingOptIn(_Strict):
+    engine: list[str] = Field(
+        default_factory=list,
+        description="`engine` settings outside the allow-list this arm may use (e.g. "
+        "trust_remote_code, for a model whose code ships with its checkpoint).",
+    )
+    env: list[str] = Field(
+        default_factory=list,
+        description="`env` variables outside the allow-list this arm may set (e.g. LD_PRELOAD).",
+    )
+
+
 class ArmEngineConfig(_Strict):
     """What runs for one arm: everything but its traffic weight. A change to its engine
     (`speculative`, `engine`, `env`) restarts the arm's engine replicas; replicas and queue
     bounds (`DEPLOYMENT_OPTIONS`) apply to the running ones. The weight lives in `ArmConfig`
     and changes live in the router."""
+
+    # The chart's values.schema.json refuses settings outside the allow-lists, too.
+    model_config = ConfigDict(json_schema_extra=config_policy.opt_in_schema())
 
     name: str = Field(
         pattern=ARM_NAME_PATTERN,
@@ -105,18 +176,28 @@ class ArmEngineConfig(_Strict):
         default_factory=lambda: NoSpeculation(method="none"),
         description="The draft configuration this arm serves.",
     )
-    replicas: int = Field(1, ge=1, description="Engine replicas of this arm.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Engine replicas of this arm. At most 1024: each is an engine with its own "
+        "GPUs or pod, and a typo must not ask the cluster for millions.",
+    )
     max_ongoing_requests: int | None = Field(
         None,
         ge=1,
+        le=100_000,
         description="Requests one engine replica works on at once (vLLM batches them); the "
-        "rest wait in the HTTP proxy. Default: the engine's `max_num_seqs`, else 256.",
+        "rest wait in the HTTP proxy. Default: the engine's `max_num_seqs`, else 256. At most "
+        "100000, far beyond any engine's batch: the arm's capacity must stay a bound.",
     )
     max_queued_requests: int = Field(
         64,
         ge=1,
+        le=100_000,
         description="Requests each HTTP proxy (one per Ray node) holds for this arm while its "
-        "engines are full; beyond that a request gets 429 with Retry-After at once.",
+        "engines are full; beyond that a request gets 429 with Retry-After at once. At most "
+        "100000: each waiting request holds its body and a connection in the proxy.",
     )
     max_surge_percent: int = Field(
         0,
@@ -127,12 +208,21 @@ class ArmEngineConfig(_Strict):
         "serve until their replacements run (no downtime, if the cluster has room for them); "
         "with 0 they stop first.",
     )
+    allow_code_loading: CodeLoadingOptIn = Field(
+        default_factory=CodeLoadingOptIn,
+        description="Engine settings and environment variables outside the allow-lists that "
+        "this arm may use, each by name: the operator takes responsibility for the code they "
+        "load.",
+    )
     engine: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra vLLM engine arguments (e.g. dtype, enforce_eager, max_num_seqs).",
+        description="Extra vLLM engine arguments from the allow-list (e.g. dtype, "
+        "enforce_eager, max_num_seqs; docs/config.md), others only by `allow_code_loading`.",
     )
     env: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables of the engine processes."
+        default_factory=dict,
+        description="Environment variables of the engine processes from the allow-list "
+        "(VLLM_*, OMP_*, ...; docs/config.md), others only by `allow_code_loading`.",
     )
 
     def ongoing_per_replica(self) -> int:
@@ -161,9 +251,55 @@ class ArmEngineConfig(_Strict):
                 raise ValueError(f"`{key}` is set by `{where}`, not under `engine`")
         return engine
 
+    @field_validator("engine")
+    @classmethod
+    def _engine_settings_allowed(
+        cls, engine: dict[str, Any], info: ValidationInfo
+    ) -> dict[str, Any]:
+        allowed = info.data.get("allow_code_loading")
+        opted_in = set(allowed.engine) if allowed is not None else set()
+        for key, value in engine.items():
+            problem = config_policy.non_finite(value, key)
+            if problem is None and key not in opted_in:
+                problem = config_policy.engine_refusal(key, value)
+            if problem:
+                raise ValueError(problem)
+        return engine
+
+    @field_validator("env")
+    @classmethod
+    def _env_allowed(cls, env: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        allowed = info.data.get("allow_code_loading")
+        opted_in = set(allowed.env) if allowed is not None else set()
+        for name in env:
+            if not config_policy.ENV_NAME_PATTERN.match(name):
+                raise ValueError(f"`{name}` is not an environment variable name")
+            problem = None if name in opted_in else config_policy.env_refusal(name)
+            if problem:
+                raise ValueError(problem)
+        return env
+
+    @model_validator(mode="after")
+    def _opt_ins_name_what_is_set(self) -> ArmEngineConfig:
+        # An opt-in stays beside the setting it allows: a stale one would allow that setting
+        # silently the next time someone adds it.
+        for section, names in self.allow_code_loading.model_dump().items():
+            unset = sorted(set(names) - set(getattr(self, section)))
+            if unset:
+                raise ValueError(
+                    f"`allow_code_loading.{section}` names {', '.join(unset)}, which this arm's "
+                    f"`{section}` does not set"
+                )
+        return self
+
 
 class ArmConfig(ArmEngineConfig):
-    weight: float = Field(ge=0, description="Relative share of un-pinned traffic; 0 = none.")
+    weight: float = Field(
+        ge=0,
+        le=1e6,
+        description="Relative share of un-pinned traffic; 0 = none. At most 1e6: shares are "
+        "relative, and their sum must stay a precise finite number.",
+    )
 
     def engine_args(self) -> dict[str, Any]:
         """The engine part as plain data, only the keys the config sets (for the Serve config:
@@ -181,27 +317,59 @@ class ArmConfig(ArmEngineConfig):
 class RoutingConfig(_Strict):
     session_header: str = Field(
         "x-session-id",
-        description="Request header whose value pins a client session to one arm.",
+        description="Request header (lower case) whose value pins a client session to one arm; "
+        "not one that carries credentials or that the platform sets itself.",
     )
     use_user_field: bool = Field(
         True, description="Use the OpenAI `user` field as the sticky key when no session header."
     )
 
+    @field_validator("session_header")
+    @classmethod
+    def _header_can_pin_sessions(cls, name: str) -> str:
+        if not HEADER_NAME_PATTERN.match(name):
+            raise ValueError(
+                f"`{name}` is not a lower-case HTTP header name (a token of letters, digits and "
+                "'-', at most 64 characters)"
+            )
+        if name in UNSTICKY_HEADERS:
+            raise ValueError(f"`{name}` {UNSTICKY_HEADERS[name]}")
+        if name.startswith(INTERNAL_HEADER_PREFIX):
+            raise ValueError(f"`{name}`: `{INTERNAL_HEADER_PREFIX}*` headers are the platform's")
+        return name
+
+
+# The largest `limits.max_tokens`: longer than any model's context.
+MAX_TOKENS_BOUND = 1 << 20
+
 
 class LimitsConfig(_Strict):
     max_tokens: int = Field(
-        2048, gt=0, description="Largest `max_tokens` a request may ask for; more is a 400."
+        2048,
+        gt=0,
+        le=MAX_TOKENS_BOUND,
+        description="Largest `max_tokens` a request may ask for; more is a 400.",
     )
     max_n: int = Field(
         16,
         gt=0,
-        description="Largest `n` (choices per request) a request may ask for; more is a 400.",
+        le=128,
+        description="Largest `n` (choices per request) a request may ask for; more is a 400. "
+        "At most 128: each choice is a sequence in the engine's batch.",
     )
     max_body_bytes: int = Field(
-        1_000_000, gt=0, description="Largest request body accepted; more is a 413."
+        1_000_000,
+        gt=0,
+        le=100_000_000,
+        description="Largest request body accepted; more is a 413. At most 100 MB: a body is "
+        "held in memory whole before it is parsed.",
     )
     request_timeout_s: float = Field(
-        600, gt=0, description="A request still running after this long is cancelled (504)."
+        600,
+        gt=0,
+        le=86_400,
+        description="A request still running after this long is cancelled (504). At most a "
+        "day: a request holds an engine slot and a connection until then.",
     )
 
 
@@ -209,18 +377,28 @@ class GuardrailConfig(_Strict):
     min_acceptance_length: float | None = Field(
         None,
         ge=1,
+        le=17,
         description="Drain a speculative arm whose mean acceptance length over the window falls "
-        "below this (e.g. a drafter that does not match the target); null = off.",
+        "below this (e.g. a drafter that does not match the target); null = off. At most 17 "
+        "(1 + the largest k): a higher floor drains every arm.",
     )
-    window_s: float = Field(60, gt=0, description="Seconds of traffic the mean is taken over.")
+    window_s: float = Field(
+        60,
+        gt=0,
+        le=86_400,
+        description="Seconds of traffic the mean is taken over. At most a day: the router "
+        "keeps the window's requests in memory.",
+    )
     min_drafts: int = Field(
         200, ge=1, description="Verify steps the window needs before the arm is judged."
     )
     drain_s: float = Field(
         300,
         gt=0,
+        le=86_400,
         description="How long a drained arm gets no weighted or sticky traffic; then it takes "
-        "traffic again and is judged afresh (the override header reaches it throughout).",
+        "traffic again and is judged afresh (the override header reaches it throughout). At "
+        "most a day: to keep an arm out for longer, give it weight 0.",
     )
 
 
@@ -266,10 +444,68 @@ def revision_of(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:12]
 
 
+class _RefusedDocument(Exception):
+    """A YAML document refused for its size, its aliases or its depth."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that counts every node as if each alias were a copy of its anchor and
+    refuses a document past MAX_CONFIG_NODES such nodes or MAX_CONFIG_DEPTH levels while it is
+    being read: an alias bomb is refused a few levels in, before anything expands it."""
+
+    def __init__(self, stream: bytes | str) -> None:
+        super().__init__(stream)
+        self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            anchor = self.anchors.get(event.anchor)
+            if anchor is not None and id(anchor) not in self._expanded:
+                raise _RefusedDocument(f"alias *{event.anchor} is inside its own anchor")
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_CONFIG_DEPTH:
+            raise _RefusedDocument(f"nested deeper than {MAX_CONFIG_DEPTH} levels")
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        children: list[Any] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        size = 1 + sum(self._expanded[id(child)] for child in children)
+        if size > MAX_CONFIG_NODES:
+            raise _RefusedDocument(
+                f"its aliases expand to more than {MAX_CONFIG_NODES} nodes (an alias bomb)"
+            )
+        self._expanded[id(node)] = size
+        return node
+
+
+def load_yaml(raw: bytes | str) -> Any:
+    """One YAML document as plain data, like yaml.safe_load, but refusing one larger than
+    MAX_CONFIG_BYTES, nested deeper than MAX_CONFIG_DEPTH or whose aliases expand past
+    MAX_CONFIG_NODES nodes (_RefusedDocument)."""
+    size = len(raw.encode() if isinstance(raw, str) else raw)
+    if size > MAX_CONFIG_BYTES:
+        raise _RefusedDocument(f"{size} bytes, more than {MAX_CONFIG_BYTES}")
+    loader = _BoundedLoader(raw)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_config(raw: bytes | str, *, source: str = "<config>") -> RouterConfig:
     """Parse and validate one YAML document; ConfigError names the file and the bad field."""
     try:
-        data = yaml.safe_load(raw)
+        data = load_yaml(raw)
+    except _RefusedDocument as exc:
+        raise ConfigError(f"{source}: refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -281,10 +517,15 @@ def parse_config(raw: bytes | str, *, source: str = "<config>") -> RouterConfig:
 
 
 def read_config_file(path: str | Path) -> bytes:
+    """The file's bytes; one larger than MAX_CONFIG_BYTES is refused without reading it all."""
     try:
-        return Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: refused: more than {MAX_CONFIG_BYTES} bytes")
+    return raw
 
 
 def load_config(path: str | Path) -> LoadedConfig:

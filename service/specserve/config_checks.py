@@ -4,8 +4,9 @@ An arm's `engine` block is handed to vLLM as engine arguments. A key vLLM does n
 of the wrong type or outside its choices would otherwise surface only when Ray Serve starts the
 arm's engine, minutes later and after the old engine is gone. vLLM's own command-line parser
 checks each setting exactly as `vllm serve` would, without loading a model, so the same check
-runs on a laptop for a GPU config. Where the engines run on this machine (`specserve serve`),
-drafter directories must exist, too.
+runs on a laptop for a GPU config. A packaged drafter (`package://NAME`) must be one shipped
+inside the package's drafters directory; where the engines run on this machine (`specserve
+serve`), drafter directories must exist, too.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from argparse import Action, ArgumentParser, BooleanOptionalAction
 from pathlib import Path
 from typing import Any
 
-from specserve.config import ConfigError, RouterConfig
-from specserve.models import PACKAGE_SCHEME
+from specserve.config import PACKAGE_SCHEME, ConfigError, RouterConfig
+from specserve.models import ModelError, resolve_drafter_source
 
 
 class _RaisingParser:
@@ -73,13 +74,19 @@ def _argv(action: Action, value: Any) -> list[str]:
 
 
 def engine_problems(config: RouterConfig, *, engines_run_here: bool = False) -> list[str]:
-    """What vLLM would reject in each arm's `engine` settings (and, with `engines_run_here`,
-    drafter directories that do not exist on this machine)."""
+    """What vLLM would reject in each arm's `engine` settings, packaged drafters that are not
+    shipped inside the drafters directory (and, with `engines_run_here`, drafter directories
+    that do not exist on this machine)."""
     problems = []
     for arm in config.arms:
         for problem in _parser().problems(arm.engine):
             problems.append(f"arm {arm.name!r}: engine: {problem}")
         model = getattr(arm.speculative, "model", None)
+        if model and model.startswith(PACKAGE_SCHEME):
+            try:
+                resolve_drafter_source(model)
+            except ModelError as exc:
+                problems.append(f"arm {arm.name!r}: {exc}")
         if engines_run_here and model and _names_a_directory(model) and not Path(model).is_dir():
             problems.append(f"arm {arm.name!r}: drafter directory {model} does not exist")
     return problems

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specserve.config import PACKAGE_SCHEME
 from specserve.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_SCHEME = "embedded://"
 # Drafters shipped with the package (service/specserve/drafters/NAME), e.g. `package://eagle3.1`.
-PACKAGE_SCHEME = "package://"
 PACKAGED_DRAFTERS_DIR = Path(__file__).resolve().parent / "drafters"
 EMBEDDED_MODELS = {
     # embedded name -> (python package, GGUF file inside it)
@@ -63,12 +63,23 @@ def resolve_model_source(source: str) -> str:
 
 
 def resolve_drafter_source(source: str) -> str:
-    """Map a configured drafter (`package://NAME`, a directory or a hub id) to what vLLM loads."""
+    """Map a configured drafter (`package://NAME`, a directory or a hub id) to what vLLM loads.
+
+    A packaged drafter must lie inside the drafters directory: `package://../x`, an absolute
+    path after the scheme or a symlink out of the directory is refused (ModelError).
+    """
     if not source.startswith(PACKAGE_SCHEME):
         return source
-    path = PACKAGED_DRAFTERS_DIR / source.removeprefix(PACKAGE_SCHEME)
+    drafters = PACKAGED_DRAFTERS_DIR.resolve()
+    path = (drafters / source.removeprefix(PACKAGE_SCHEME)).resolve()
+    if path == drafters or not path.is_relative_to(drafters):
+        raise ModelError(f"packaged drafter {source!r} lies outside {drafters}")
     if not (path / "config.json").exists():
-        shipped = sorted(p.parent.name for p in PACKAGED_DRAFTERS_DIR.glob("*/config.json"))
+        shipped = sorted(
+            p.parent.name
+            for p in PACKAGED_DRAFTERS_DIR.glob("*/config.json")
+            if p.resolve().is_relative_to(drafters)
+        )
         raise ModelError(f"no packaged drafter {source!r}; shipped: {shipped}")
     return str(path)
 

@@ -200,6 +200,9 @@ def test_gb200_profile_targets_4_gpu_arm64_trays_with_kimi_and_eagle_drafters():
         assert arm["engine"]["tensor_parallel_size"] == 4
         assert arm["engine"]["kv_cache_dtype"] == "fp8"
         assert arm["env"]["VLLM_USE_FLASHINFER_MOE_FP4"] == "1"
+        # Kimi-K2.6's code ships with its checkpoint: the profile opts in to running it.
+        assert arm["engine"]["trust_remote_code"] is True
+        assert arm["allow_code_loading"] == {"engine": ["trust_remote_code"]}
     cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
     (workers,) = cluster["workerGroupSpecs"]
     assert workers["rayStartParams"]["num-gpus"] == "4"
@@ -291,6 +294,18 @@ def test_config_editor_role_grants_exactly_what_the_config_commands_use():
         (
             {"config": {"arms": [{"name": "a", "weight": 1, "speculative": {"method": "medusa"}}]}},
             "/config/arms/0/speculative",
+        ),
+        (
+            {
+                "config": {
+                    "arms": [{"name": "a", "weight": 1, "engine": {"trust_remote_code": True}}]
+                }
+            },
+            "at '/config/arms/0': missing property 'allow_code_loading'",
+        ),
+        (
+            {"config": {"arms": [{"name": "a", "weight": 1, "env": {"LD_PRELOAD": "/x.so"}}]}},
+            "at '/config/arms/0': missing property 'allow_code_loading'",
         ),
         ({"router": {"replicas": 0}}, "/router/replicas"),
         ({"workerGroups": []}, "/workerGroups"),

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from specserve.config import ConfigError, load_config, parse_config, revision_of
@@ -220,3 +222,293 @@ def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
         ray.shutdown()  # Ray Serve LLM starts a local Ray to build the deployment
     deployment = app._bound_deployment  # the LLMServer deployment with its engine config
     assert deployment.name == "arm-ngram"
+
+
+def arm_text(extra: str) -> str:
+    """BASE with `extra` (a flow mapping's inside) added to the no-spec arm."""
+    return BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, " + extra + "}")
+
+
+@pytest.mark.parametrize("number", [".inf", "-.inf", ".nan", ".NaN", "1.0e400"])
+@pytest.mark.parametrize(
+    ("section", "where"),
+    [
+        ("limits: {request_timeout_s: %s}", "limits.request_timeout_s"),
+        ("guardrail: {window_s: %s}", "guardrail.window_s"),
+        ("guardrail: {drain_s: %s}", "guardrail.drain_s"),
+        ("guardrail: {min_acceptance_length: %s}", "guardrail.min_acceptance_length"),
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_field(number, section, where):
+    with pytest.raises(ConfigError, match=f"`{where}`: Input should be a finite number"):
+        parse_config(BASE + section % number + "\n")
+
+
+@pytest.mark.parametrize("number", [".inf", ".nan"])
+def test_a_non_finite_weight_or_engine_number_is_refused(number):
+    """An infinite weight made every weighted request fail (500) in arm selection."""
+    with pytest.raises(ConfigError, match="`arms.0.weight`: Input should be a finite number"):
+        parse_config(
+            BASE.replace("{name: no-spec, weight: 1}", f"{{name: no-spec, weight: {number}}}")
+        )
+    text = arm_text(f"engine: {{gpu_memory_utilization: {number}}}")
+    with pytest.raises(ConfigError, match="`gpu_memory_utilization` must be a finite number"):
+        parse_config(text)
+    text = arm_text(f"engine: {{compilation_config: {{pass_config: {{x: [{number}]}}}}}}")
+    with pytest.raises(ConfigError, match=r"`compilation_config.pass_config.x.0` must be a finite"):
+        parse_config(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (arm_text("weight: 1e7").replace("weight: 1, weight", "weight"), "arms.0.weight"),
+        (arm_text("replicas: 100000"), "arms.0.replicas"),
+        (arm_text("max_ongoing_requests: 1000000"), "arms.0.max_ongoing_requests"),
+        (arm_text("max_queued_requests: 1000000"), "arms.0.max_queued_requests"),
+        (BASE + "limits: {max_tokens: 100000000}\n", "limits.max_tokens"),
+        (BASE + "limits: {max_n: 1000}\n", "limits.max_n"),
+        (BASE + "limits: {max_body_bytes: 1000000000}\n", "limits.max_body_bytes"),
+        (BASE + "limits: {request_timeout_s: 1.0e6}\n", "limits.request_timeout_s"),
+        (BASE + "guardrail: {window_s: 1.0e6}\n", "guardrail.window_s"),
+        (BASE + "guardrail: {drain_s: 1.0e6}\n", "guardrail.drain_s"),
+        (BASE + "guardrail: {min_acceptance_length: 18}\n", "guardrail.min_acceptance_length"),
+    ],
+)
+def test_absurd_numbers_are_refused_naming_the_field(text, where):
+    with pytest.raises(ConfigError, match=f"`{where}`: Input should be less than or equal to"):
+        parse_config(text)
+
+
+def test_the_largest_allowed_numbers_pass():
+    text = arm_text(
+        "replicas: 1024, max_ongoing_requests: 100000, max_queued_requests: 100000"
+    ).replace("weight: 1}", "weight: 1000000}", 1)
+    text += (
+        "limits: {max_tokens: 1048576, max_n: 128, max_body_bytes: 100000000, "
+        "request_timeout_s: 86400}\n"
+        "guardrail: {min_acceptance_length: 17, window_s: 86400, drain_s: 86400}\n"
+    )
+    config = parse_config(text)
+    assert config.arms[0].replicas == 1024 and config.limits.max_n == 128
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("X-Session-Id", "not a lower-case HTTP header name"),
+        ("'x session'", "not a lower-case HTTP header name"),
+        ("''", "not a lower-case HTTP header name"),
+        ("x-" + "a" * 70, "not a lower-case HTTP header name"),
+        ("authorization", "carries credentials"),
+        ("cookie", "carries credentials"),
+        ("x-request-id", "differs on every request"),
+        ("x-specserve-arm", "`x-specserve-*` headers are the platform's"),
+        ("x-specserve-request-timeout-s", "`x-specserve-*` headers are the platform's"),
+    ],
+)
+def test_session_header_must_be_a_header_that_can_pin_sessions(header, message):
+    with pytest.raises(ConfigError, match="`routing.session_header`: .*" + re.escape(message)):
+        parse_config(BASE + f"routing: {{session_header: {header}}}\n")
+
+
+def test_a_custom_session_header_passes():
+    assert parse_config(BASE + "routing: {session_header: x-user_session.v2}\n")
+
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once():
+    """Nine levels of nine aliases: under 700 bytes standing for 9^9 (387 million) strings."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^bomb.yaml: refused: its aliases expand to more than"):
+        parse_config(BILLION_LAUGHS, source="bomb.yaml")
+    assert time.perf_counter() - start < 0.2
+    # Hidden where only the engine check and the Serve config would expand it.
+    hidden = BILLION_LAUGHS.replace("i: &i", "arms:\n  - {name: a, weight: 1, engine: {x: &i")
+    with pytest.raises(ConfigError, match="alias bomb"):
+        parse_config(hidden.rstrip() + "}}\n")
+
+
+def test_anchors_shared_by_a_few_arms_pass():
+    text = BASE.replace(
+        "{name: no-spec, weight: 1}",
+        "{name: no-spec, weight: 1, engine: &engine {enforce_eager: true, max_num_seqs: 16},"
+        " env: &env {OMP_NUM_THREADS: '2'}}",
+    ).replace("weight: 1\n", "weight: 1\n    engine: *engine\n    env: *env\n")
+    config = parse_config(text)
+    assert (
+        config.arm("ngram").engine
+        == config.arm("no-spec").engine
+        == {
+            "enforce_eager": True,
+            "max_num_seqs": 16,
+        }
+    )
+    assert config.arm("ngram").env == {"OMP_NUM_THREADS": "2"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: &a [*a]\n", "alias \\*a is inside its own anchor"),
+        ("a: " + "[" * 40 + "]" * 40 + "\n", "nested deeper than 32 levels"),
+        ("a: '" + "x" * (1 << 20) + "'\n", "bytes, more than 1048576"),
+    ],
+)
+def test_recursive_deep_or_huge_documents_are_refused(text, message):
+    with pytest.raises(ConfigError, match="^cfg.yaml: refused: .*" + message):
+        parse_config(text, source="cfg.yaml")
+
+
+def test_a_huge_file_is_refused_without_reading_it_all(tmp_path):
+    path = tmp_path / "config.yaml"
+    with path.open("wb") as file:
+        file.truncate(1 << 30)  # sparse: 1 GiB of zeros
+    with pytest.raises(ConfigError, match="refused: more than 1048576 bytes"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ("{trust_remote_code: true}", "`trust_remote_code` runs the Python code that ships"),
+        ("{worker_extension_cls: m.C}", "`worker_extension_cls` names a Python class"),
+        ("{worker_cls: m.C}", "`worker_cls` names a Python class"),
+        ("{logits_processors: [m.C]}", "`logits_processors` names Python classes"),
+        ("{hf_overrides: {architectures: [X]}}", "`hf_overrides` rewrites the checkpoint"),
+        ("{load_format: pt}", "`load_format` some formats unpickle"),
+        ("{hf_token: hf_x}", "`hf_token` a secret"),
+        ("{max_num_seq: 16}", "`max_num_seq` is not on the engine allow-list \\(did you mean "),
+        ("{tokenizer: org/t}", "`tokenizer` is not on the engine allow-list"),
+        (
+            "{compilation_config: {backend: m.f}}",
+            "`compilation_config` sets backend: `backend` and `inductor_passes` name Python",
+        ),
+        ('{compilation_config: \'{"backend": "m.f"}\'}', "`compilation_config` sets {"),
+    ],
+)
+def test_engine_settings_that_load_code_need_the_operators_opt_in(engine, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(arm_text(f"engine: {engine}"))
+    assert "`arms.0.engine`: " + message.replace("\\", "") in str(info.value).replace("\\", "")
+    assert "name it in `allow_code_loading.engine`" in str(info.value)
+
+
+def test_an_opt_in_names_each_setting_it_allows():
+    key = engine = "trust_remote_code"
+    allowed = parse_config(
+        arm_text(f"engine: {{{engine}: true}}, allow_code_loading: {{engine: [{key}]}}")
+    )
+    arm = allowed.arm("no-spec")
+    assert arm.engine == {"trust_remote_code": True}
+    # The arm's builder reads its args alone (serve_config): the opt-in travels with them, and
+    # without it the builder refuses the setting too.
+    from specserve.config import ArmEngineConfig
+
+    assert ArmEngineConfig.model_validate(arm.engine_args()).engine == arm.engine
+    without = {k: v for k, v in arm.engine_args().items() if k != "allow_code_loading"}
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        ArmEngineConfig.model_validate(without)
+    # Another name allows nothing else, and a name the arm does not set is refused.
+    with pytest.raises(ConfigError, match="`worker_cls` names a Python class"):
+        parse_config(
+            arm_text(
+                "engine: {trust_remote_code: true, worker_cls: m.C},"
+                " allow_code_loading: {engine: [trust_remote_code]}"
+            )
+        )
+    with pytest.raises(
+        ConfigError,
+        match="`allow_code_loading.engine` names trust_remote_code, which this arm's `engine`",
+    ):
+        parse_config(arm_text("allow_code_loading: {engine: [trust_remote_code]}"))
+    with pytest.raises(ConfigError, match="`arms.0.allow_code_loading.engine`"):
+        parse_config(arm_text("allow_code_loading: {engine: '*'}"))
+
+
+def test_the_engine_settings_the_projects_configs_use_are_allowed():
+    text = arm_text(
+        "engine: {dtype: bfloat16, enforce_eager: true, max_num_seqs: 32, kv_cache_dtype: fp8,"
+        " tensor_parallel_size: 4, gpu_memory_utilization: 0.9, enable_prefix_caching: false,"
+        " compilation_config: {cudagraph_mode: FULL_AND_PIECEWISE, pass_config: {x: true}}}"
+    )
+    assert parse_config(text).arm("no-spec").engine["max_num_seqs"] == 32
+    assert parse_config(arm_text("engine: {compilation_config: 3}"))
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("LD_PRELOAD", "`LD_PRELOAD` loads a shared library into every engine process"),
+        ("LD_LIBRARY_PATH", "`LD_LIBRARY_PATH` decides which shared libraries"),
+        ("PYTHONPATH", "`PYTHONPATH` decides which Python modules"),
+        ("PYTHONSTARTUP", "`PYTHONSTARTUP` names a Python file"),
+        ("PYTHONHOME", "`PYTHONHOME` decides which Python modules"),
+        ("PYTHONUSERBASE", "`PYTHONUSERBASE` adds a site-packages directory"),
+        ("VLLM_PLUGINS", "`VLLM_PLUGINS` chooses the vLLM plugins"),
+        ("VLLM_ALLOW_INSECURE_SERIALIZATION", "`VLLM_ALLOW_INSECURE_SERIALIZATION` lets the"),
+        ("HF_TOKEN", "`HF_TOKEN` a secret"),
+        ("VLLM_NCCL_SO_PATH", "`VLLM_NCCL_SO_PATH` names a file, directory, library or secret"),
+        ("NCCL_NET_PLUGIN", "`NCCL_NET_PLUGIN` names a file, directory, library or secret"),
+        (
+            "CUDA_INJECTION64_PATH",
+            "`CUDA_INJECTION64_PATH` names a file, directory, library or secret",
+        ),
+        ("OMP_TOOL_LIBRARIES", "`OMP_TOOL_LIBRARIES` names a file, directory, library or secret"),
+        ("VLLM_CACHE_ROOT", "`VLLM_CACHE_ROOT` names a file, directory, library or secret"),
+        ("RAY_ADDRESS", "`RAY_ADDRESS` is not on the environment allow-list (VLLM_*, OMP_*"),
+    ],
+)
+def test_environment_variables_that_load_code_need_the_operators_opt_in(name, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(arm_text(f"env: {{{name}: x}}"))
+    assert f"`arms.0.env`: {message}" in str(info.value)
+    assert "name it in `allow_code_loading.env`" in str(info.value)
+    opted_in = parse_config(arm_text(f"env: {{{name}: x}}, allow_code_loading: {{env: [{name}]}}"))
+    assert opted_in.arm("no-spec").env == {name: "x"}
+
+
+def test_tuning_variables_are_allowed_and_odd_names_refused():
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_USE_FLASHINFER_MOE_FP4": "1",
+        "OMP_NUM_THREADS": "2",
+        "KMP_BLOCKTIME": "1",
+        "MKL_NUM_THREADS": "2",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    flow = ", ".join(f"{k}: '{v}'" for k, v in env.items())
+    assert parse_config(arm_text(f"env: {{{flow}}}")).arm("no-spec").env == env
+    with pytest.raises(ConfigError, match="`arms.0.env`: `A=B` is not an environment variable"):
+        parse_config(arm_text("env: {'A=B': x}"))
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["package://../../etc", "package:///etc", "package://", "package://a/b", "package://.."],
+)
+def test_a_packaged_drafter_is_named_by_its_directory_only(model):
+    text = BASE.replace(
+        "{method: ngram, num_speculative_tokens: 3}",
+        f"{{method: eagle3, model: '{model}', num_speculative_tokens: 3}}",
+    )
+    with pytest.raises(ConfigError, match="`arms.1.speculative.eagle3.model`: .* no path"):
+        parse_config(text)

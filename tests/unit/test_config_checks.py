@@ -5,18 +5,24 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specserve import models
 from specserve.config import ConfigError, RouterConfig, load_config
-from specserve.config_checks import check_engine_settings, engine_problems
+from specserve.config_checks import _parser, check_engine_settings, engine_problems
+from specserve.config_policy import ENGINE_ALLOWED, ENGINE_REFUSED
 from specserve.metrics import RELOAD_INVALID
 from specserve.watch import ConfigWatcher
 
 CHART = Path(__file__).parents[2] / "helm" / "specserve"
 
 
-def config_with(engine: dict, speculative: dict | None = None) -> RouterConfig:
+def config_with(
+    engine: dict, speculative: dict | None = None, allow: list[str] | None = None
+) -> RouterConfig:
     arm = {"name": "a", "weight": 1, "engine": engine}
     if speculative:
         arm["speculative"] = speculative
+    if allow:
+        arm["allow_code_loading"] = {"engine": allow}
     return RouterConfig.model_validate({"model": {"name": "m", "source": "s"}, "arms": [arm]})
 
 
@@ -46,10 +52,50 @@ def test_settings_vllm_accepts_pass():
     ],
 )
 def test_settings_vllm_rejects_are_named(engine, expected):
-    problems = engine_problems(config_with(engine))
+    # A setting outside the allow-list, once the operator opts in to it, still meets vLLM's parser.
+    config = config_with(engine, allow=[key for key in engine if key not in ENGINE_ALLOWED])
+    problems = engine_problems(config)
     assert len(problems) == 1 and problems[0].startswith("arm 'a': engine: " + expected), problems
     with pytest.raises(ConfigError, match="^f.yaml: arm 'a'"):
-        check_engine_settings(config_with(engine), source="f.yaml")
+        check_engine_settings(config, source="f.yaml")
+
+
+def test_the_engine_allow_lists_name_vllm_engine_arguments():
+    """A typo in the allow-list would allow nothing; a refused key vLLM renamed would no longer
+    be refused by its reason."""
+    from vllm.config import CompilationConfig
+
+    from specserve.config_policy import COMPILATION_ALLOWED
+
+    assert ENGINE_ALLOWED - set(_parser().actions) == set()
+    assert set(ENGINE_REFUSED) - set(_parser().actions) == set()
+    assert COMPILATION_ALLOWED - set(CompilationConfig.__dataclass_fields__) == set()
+
+
+def test_packaged_drafters_outside_the_drafters_directory_are_refused(tmp_path, monkeypatch):
+    """Checked with the config, not first when the arm's engine starts."""
+    drafters = tmp_path / "drafters"
+    (drafters / "good").mkdir(parents=True)
+    (drafters / "good" / "config.json").write_text("{}")
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "config.json").write_text("{}")
+    (drafters / "out").symlink_to(tmp_path / "secret")
+    monkeypatch.setattr(models, "PACKAGED_DRAFTERS_DIR", drafters)
+
+    def spec(model: str) -> dict:
+        return {"method": "eagle3", "model": model, "num_speculative_tokens": 3}
+
+    assert engine_problems(config_with({}, spec("package://good"))) == []
+    (problem,) = engine_problems(config_with({}, spec("package://out")))
+    assert problem == f"arm 'a': packaged drafter 'package://out' lies outside {drafters}"
+    with pytest.raises(ConfigError, match="lies outside"):
+        check_engine_settings(config_with({}, spec("package://out")), source="f.yaml")
+    (problem,) = engine_problems(config_with({}, spec("package://nope")))
+    assert "no packaged drafter 'package://nope'; shipped: ['good']" in problem
+    # What the schema lets through is refused where the engine resolves it, too.
+    for escape in ("../secret", str(tmp_path / "secret"), "", "."):
+        with pytest.raises(models.ModelError, match="lies outside"):
+            models.resolve_drafter_source("package://" + escape)
 
 
 def test_a_missing_drafter_directory_matters_only_where_the_engines_run(tmp_path):

@@ -29,7 +29,6 @@ from grafana.promql import (
     DEPLOYMENT,
     E2E_BUCKETS,
     ENGINES,
-    OUTPUT_SPEED_COUNT,
     OUTPUT_TOKENS,
     PER_ARM,
     PER_MODEL,
@@ -40,6 +39,7 @@ from grafana.promql import (
     SPEC_ACCEPTED_PER_POSITION,
     SPEC_DRAFT_TOKENS,
     SPEC_DRAFTS,
+    STAT_COUNT,
     STAT_SUM,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
@@ -212,8 +212,8 @@ def speed_panels() -> list[PanelBuilder]:
     baseline = f'{DEPLOYMENT}, arm="{BASELINE_ARM}"'
     baseline_tpot = quantile(0.5, TPOT_BUCKETS, baseline, by=PER_MODEL)
     speedup = f"(1 / {arm_tpot})\n* on ({PER_MODEL}) group_left\n{baseline_tpot}"
-    speed_sum = rate_sum(STAT_SUM, f'{ARMS}, stat="{metrics.REQUEST_OUTPUT_SPEED}"')
-    mean_speed = f"{speed_sum}\n/ {rate_sum(OUTPUT_SPEED_COUNT)}"
+    speed_stat = f'{ARMS}, stat="{metrics.REQUEST_OUTPUT_SPEED}"'
+    mean_speed = f"{rate_sum(STAT_SUM, speed_stat)}\n/ {rate_sum(STAT_COUNT, speed_stat)}"
     return [
         graph(
             "Per-user output speed (p50)",

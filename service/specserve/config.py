@@ -339,6 +339,26 @@ class RoutingConfig(_Strict):
         return name
 
 
+class KeyLimit(_Strict):
+    requests_per_minute: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="Requests one API key may send per minute; null = no limit.",
+    )
+    output_tokens_per_minute: float | None = Field(
+        None,
+        gt=0,
+        le=1e12,
+        description="Output tokens one API key may have generated per minute; a request waits "
+        "(429 with Retry-After) while the key is over it. null = no limit.",
+    )
+
+
+# The `limits.per_key` entry for every key not named there.
+ANY_KEY = "*"
+
+
 # The largest `limits.max_tokens`: longer than any model's context.
 MAX_TOKENS_BOUND = 1 << 20
 
@@ -348,7 +368,8 @@ class LimitsConfig(_Strict):
         2048,
         gt=0,
         le=MAX_TOKENS_BOUND,
-        description="Largest `max_tokens` a request may ask for; more is a 400.",
+        description="Largest `max_tokens` a request may ask for; more is a 400. A request "
+        "that names none gets this many at most.",
     )
     max_n: int = Field(
         16,
@@ -371,6 +392,28 @@ class LimitsConfig(_Strict):
         description="A request still running after this long is cancelled (504). At most a "
         "day: a request holds an engine slot and a connection until then.",
     )
+    max_total_tokens: int = Field(
+        16384,
+        gt=0,
+        le=MAX_TOKENS_BOUND,
+        description="Largest `n` x `max_tokens` (every choice's tokens) of one request; more "
+        "is a 400.",
+    )
+    body_timeout_s: float = Field(
+        30,
+        gt=0,
+        le=3600,
+        description="A request body still arriving after this long is refused (408): a slow "
+        "client cannot hold a connection and its buffer open. At most an hour.",
+    )
+    per_key: dict[str, KeyLimit] = Field(
+        default_factory=dict,
+        description="Rate limits by API key name (`*`: every key not named), counted in each "
+        "HTTP proxy (one per Ray node).",
+    )
+
+    def key_limit(self, name: str) -> KeyLimit | None:
+        return self.per_key.get(name, self.per_key.get(ANY_KEY))
 
 
 class GuardrailConfig(_Strict):

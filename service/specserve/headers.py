@@ -8,6 +8,8 @@ CONFIG_REVISION = "x-specserve-config-revision"
 # Request and response: correlates a request with its log lines (Ray Serve's proxy sets it on
 # responses, reusing the client's value when there is one).
 REQUEST_ID = "x-request-id"
+# Request: the client's API key, `Bearer KEY` (wire/auth.py); never passed on to an arm.
+AUTHORIZATION = "authorization"
 # Response: seconds to wait before retrying a 429/503 (overloaded arm, failed engine, draining).
 RETRY_AFTER = "retry-after"
 
@@ -18,3 +20,11 @@ REQUEST_TIMEOUT_S = "x-specserve-request-timeout-s"
 # Response: the token count and speculative-decoding stats of a non-streaming answer, which the
 # dispatch records and removes (a stream carries them in its final usage chunk).
 USAGE = "x-specserve-usage"
+
+# Request headers that steer Ray Serve's own handling of a request (its proxy reads them): a
+# client's are dropped before the request reaches an arm. Ray Serve reads the multiplexed model
+# id under any spelling that reads the same with '-' as '_'.
+RAY_SERVE_STEERING = ("x-request-disconnect-disabled", "x-request-timeout-seconds")
+RAY_SERVE_MULTIPLEXED_MODEL_ID = "serve_multiplexed_model_id"
+# A client's `x-request-id` is kept only in this shape (it reaches logs); else a new one is made.
+REQUEST_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"

@@ -91,9 +91,11 @@ TIME_PER_OUTPUT_TOKEN = f"{PREFIX}_time_per_output_token_seconds"
 E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"
 REQUEST_OUTPUT_SPEED = f"{PREFIX}_request_output_tokens_per_second"
 REQUEST_ACCEPTANCE_LENGTH = f"{PREFIX}_request_acceptance_length"
-# Exact sum and sum of squares of the observations of each per-request histogram the A/B report
-# compares (label `stat`: the histogram's name): with the histogram's _count, each arm's exact
-# mean and variance. (Ray exports a histogram's _sum from bucket midpoints, not the values.)
+# Count, exact sum and sum of squares of the observations of each per-request histogram the A/B
+# report compares (label `stat`: the histogram's name), over weighted and sticky requests only
+# (forced ones are not randomized): each arm's exact mean and variance. (Ray exports a
+# histogram's _sum from bucket midpoints, not the values.)
+REQUEST_STAT_COUNT = f"{PREFIX}_request_stat_count"
 REQUEST_STAT_SUM = f"{PREFIX}_request_stat_sum"
 REQUEST_STAT_SQUARES = f"{PREFIX}_request_stat_squares"
 AB_STATS = (TIME_PER_OUTPUT_TOKEN, REQUEST_OUTPUT_SPEED, REQUEST_ACCEPTANCE_LENGTH)
@@ -127,6 +129,7 @@ COUNTERS = (
     CONFIG_RELOADS,
     GUARDRAIL_DRAINS,
     ENGINE_RETRIES,
+    REQUEST_STAT_COUNT,
     REQUEST_STAT_SUM,
     REQUEST_STAT_SQUARES,
     API_KEY_REQUESTS,
@@ -217,6 +220,11 @@ class RouterMetrics:
             "Mean acceptance length of one speculative request (1 + accepted / verify steps).",
             list(ACCEPTANCE_LENGTH_BUCKETS),
             arm,
+        )
+        self.stat_count = Counter(
+            REQUEST_STAT_COUNT,
+            "Weighted and sticky requests observed by the per-request histogram named by `stat`.",
+            (*arm, STAT),
         )
         self.stat_sum = Counter(
             REQUEST_STAT_SUM,
@@ -382,29 +390,37 @@ class RouterMetrics:
         ttft_s: float | None,
         tpot_s: float | None,
         output_tokens: int,
+        randomized: bool = True,
     ) -> None:
-        """One successful request: latencies (TTFT and TPOT only when streamed) and tokens."""
+        """One successful request: latencies (TTFT and TPOT only when streamed) and tokens;
+        `randomized` ones also in the A/B statistics."""
         tags = self._tags(arm)
         self.e2e_latency.observe(e2e_s, tags)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s, tags)
         if tpot_s is not None:
             self._observe_with_square(
-                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s
+                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s, randomized
             )
         if output_tokens:
             self.output_tokens.inc(output_tokens, tags)
             if e2e_s > 0:
                 speed = output_tokens / e2e_s
-                self._observe_with_square(self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed)
+                self._observe_with_square(
+                    self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed, randomized
+                )
 
-    def _observe_with_square(self, histogram: Histogram, name: str, arm: str, x: float) -> None:
+    def _observe_with_square(
+        self, histogram: Histogram, name: str, arm: str, x: float, randomized: bool
+    ) -> None:
         histogram.observe(x, self._tags(arm))
-        if x > 0:  # Ray's counters refuse increments of 0
-            self.stat_sum.inc(x, self._tags(arm, **{STAT: name}))
-            self.stat_squares.inc(x * x, self._tags(arm, **{STAT: name}))
+        if randomized:
+            self.stat_count.inc(1, self._tags(arm, **{STAT: name}))
+            if x > 0:  # Ray's counters refuse increments of 0
+                self.stat_sum.inc(x, self._tags(arm, **{STAT: name}))
+                self.stat_squares.inc(x * x, self._tags(arm, **{STAT: name}))
 
-    def observe_spec_decode(self, arm: str, stats: dict) -> None:
+    def observe_spec_decode(self, arm: str, stats: dict, randomized: bool = True) -> None:
         """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
         tags = self._tags(arm)
         for counter, key in (
@@ -418,7 +434,7 @@ class RouterMetrics:
         if steps:
             length = 1 + int(stats.get("num_accepted_draft_tokens") or 0) / steps
             self._observe_with_square(
-                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length
+                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length, randomized
             )
         per_position = accepted_per_position(stats.get("acceptance_histogram") or [])
         for position, accepted in enumerate(per_position):

@@ -21,6 +21,7 @@ from specserve.metrics import (
     EXPORT_PREFIX,
     POSITION,
     REQUEST_OUTPUT_SPEED,
+    REQUEST_STAT_COUNT,
     REQUEST_STAT_SQUARES,
     REQUEST_STAT_SUM,
     REQUESTS_IN_FLIGHT,
@@ -146,9 +147,11 @@ class Prometheus:
             arms[labels[ARM]].randomized = value
         for stat in AB_STATS:
             parts: dict[str, dict[str, float]] = defaultdict(dict)
-            for labels, value in increase(_name(stat) + "_count"):
-                parts[labels[ARM]]["n"] = value
-            for part, counter in (("sum", REQUEST_STAT_SUM), ("squares", REQUEST_STAT_SQUARES)):
+            for part, counter in (
+                ("n", REQUEST_STAT_COUNT),
+                ("sum", REQUEST_STAT_SUM),
+                ("squares", REQUEST_STAT_SQUARES),
+            ):
                 for labels, value in increase(_name(counter) + "_total", extra=f',{STAT}="{stat}"'):
                     parts[labels[ARM]][part] = value
             for arm, got in parts.items():
@@ -174,7 +177,7 @@ class Prometheus:
         preceding window; and the mean requests in flight (all arms) in that window."""
         window = f"{max(60, math.ceil(step_s))}s"
         selector = f'model="{model}"'
-        count = f"{_name(REQUEST_OUTPUT_SPEED)}_count{{{selector}}}"
+        count = f'{_name(REQUEST_STAT_COUNT)}_total{{{selector},{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
         total = f'{_name(REQUEST_STAT_SUM)}_total{{{selector},{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
         parts = {
             part: self.matrix(f"sum by ({ARM}) (rate({series}[{window}]))", since, now, step_s)

@@ -27,6 +27,9 @@ DEPLOYING = "DEPLOYING"
 POLL_S = 1.0
 # How long a request that arrives before the first answer waits for it.
 FIRST_READ_WAIT_S = 10.0
+# How long one read may take before the dispatch routes on with the last (a controller call has
+# no timeout of its own); the arm-states age gauge and its alert show a controller that hangs.
+READ_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)

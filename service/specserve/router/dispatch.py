@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -36,21 +37,35 @@ from ray.serve._private.constants import SERVE_LOGGER_NAME
 from starlette.middleware import Middleware
 
 from specserve import headers
-from specserve.config import ConfigError, LoadedConfig, RouterConfig, load_config
+from specserve.config import ConfigError, LimitsConfig, LoadedConfig, RouterConfig, load_config
 from specserve.config_checks import check_engine_settings
-from specserve.metrics import OUTCOME_CANCELLED, OUTCOME_SERVER_ERROR, RouterMetrics
+from specserve.metrics import (
+    AUTH_ACCEPTED,
+    AUTH_FORBIDDEN,
+    AUTH_INVALID,
+    AUTH_MISSING,
+    AUTH_RATE_LIMITED,
+    NO_KEY,
+    OUTCOME_CANCELLED,
+    OUTCOME_SERVER_ERROR,
+    SELECTED_BY_OVERRIDE,
+    RouterMetrics,
+)
 from specserve.router.arm_states import (
     FIRST_READ_WAIT_S,
     POLL_S,
+    READ_TIMEOUT_S,
     RUNNING,
     ServeState,
     read_serve_state,
 )
 from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
+from specserve.router.replays import ReplayedBodies
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
 from specserve.serve_config import ARM_ROUTE_PREFIX
 from specserve.watch import ConfigWatcher
+from specserve.wire.auth import Identity, KeyLimits, KeyRing, admin_required
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     OVERLOAD_RETRY_AFTER_S,
@@ -64,6 +79,7 @@ from specserve.wire.requests import (
     ENDPOINT_OF_PATH,
     READY_PATH,
     body_too_large,
+    body_too_slow,
     check_limits,
     parse_body,
     wants_usage,
@@ -80,7 +96,16 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ARM = headers.ARM.encode()
 _USAGE = headers.USAGE.encode()
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
+# Request headers a client may not pass on to an arm: its key, and those that steer Ray Serve.
+_NOT_FOR_ARMS = frozenset(
+    name.encode()
+    for name in (headers.AUTHORIZATION, headers.REQUEST_TIMEOUT_S, *headers.RAY_SERVE_STEERING)
+)
+_REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
+# A body larger than this is parsed in a thread, off the proxy's event loop (~1 ms of CPU).
+PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
+API_PREFIX = "/v1/"
 _ERROR_EVENT = b'data: {"error"'
 
 
@@ -121,7 +146,9 @@ class Dispatch:
             await self.state.ready(self.app, scope, receive, send)
         elif path.startswith(ARM_ROUTE_PREFIX):
             await self.state.pass_to_arm(self.app, scope, receive, send)
-        else:  # the router application's endpoints
+        elif path.startswith(API_PREFIX):  # `/v1/models`: the router application's, with a key
+            await self.state.pass_with_key(self.app, scope, receive, send)
+        else:  # the router application's other endpoints: probes and the OpenAPI document
             await self.app(scope, receive, send)
 
 
@@ -136,6 +163,12 @@ class DispatchState:
         self.metrics: RouterMetrics | None = None
         self.guard: AcceptanceGuard | None = None
         self.in_flight = InFlight()
+        self.keys = KeyRing(None, None)  # until the router application names its keys files
+        self._keys_files: tuple[str | None, str | None] = (None, None)
+        self.key_limits = KeyLimits()
+        self.replayed = ReplayedBodies()
+        self._state_read_at = time.monotonic()
+        self._reading: asyncio.Future[ServeState] | None = None
         # Requests handed to each arm and not yet answered, streams included. Ray Serve's own
         # bound on an arm's queue is checked and counted at different moments, so a burst gets
         # past it (29 queued against a bound of 16); this count is checked and moved in one step.
@@ -152,19 +185,46 @@ class DispatchState:
     async def _watch_serve(self) -> None:
         while True:
             try:
-                state = await asyncio.to_thread(read_serve_state, self.serve_state)
+                state = await self._read_serve_state()
                 self.serve_state = state
+                self._state_read_at = time.monotonic()
                 if state.router_args is not None:
+                    await self._follow_keys(state.router_args)
                     await self._follow_config(state.router_args)
-                if self.metrics is not None and self.guard is not None and self.loaded:
-                    self.metrics.set_drained(self.guard.drained())
-                    self.metrics.set_in_flight(self.in_flight.count)
-                    weights = self.loaded.config.weights
-                    self.metrics.set_running({arm: arm in state.running for arm in weights})
+                self._first_read.set()
+            except TimeoutError:
+                logger.error(
+                    "the Ray Serve controller did not say which arms run within %g s; "
+                    "routing with what it said %.0f s ago",
+                    READ_TIMEOUT_S,
+                    time.monotonic() - self._state_read_at,
+                )
             except Exception:
                 logger.exception("reading Ray Serve's state failed; keeping the last")
-            self._first_read.set()
+            if self.metrics is not None and self.guard is not None and self.loaded:
+                self.metrics.set_drained(self.guard.drained())
+                self.metrics.set_in_flight(self.in_flight.count)
+                self.metrics.set_arm_states_age(time.monotonic() - self._state_read_at)
+                weights = self.loaded.config.weights
+                self.metrics.set_running({a: a in self.serve_state.running for a in weights})
             await asyncio.sleep(POLL_S)
+
+    async def _read_serve_state(self) -> ServeState:
+        """One read of what runs, bounded in time: a controller call that hangs is waited on
+        again by the next read, never started twice."""
+        if self._reading is None or self._reading.done():
+            loop = asyncio.get_running_loop()
+            self._reading = loop.run_in_executor(None, read_serve_state, self.serve_state)
+        reading = self._reading
+        return await asyncio.wait_for(asyncio.shield(reading), READ_TIMEOUT_S)
+
+    async def _follow_keys(self, router_args: dict[str, Any]) -> None:
+        """Take the keys files the router application names (once, or again if it names
+        others); their contents are checked with the config."""
+        files = (router_args.get("api_keys_file"), router_args.get("admin_keys_file"))
+        if files != self._keys_files:
+            self.keys = await asyncio.to_thread(KeyRing, *files)
+            self._keys_files = files
 
     async def _follow_config(self, router_args: dict[str, Any]) -> None:
         """Load the config the router application names (once, or again if it names another)."""
@@ -211,6 +271,10 @@ class DispatchState:
                     await asyncio.to_thread(self.watcher.check)
                 except Exception:
                     logger.exception("config watch failed")
+            try:
+                await asyncio.to_thread(self.keys.check)
+            except Exception:
+                logger.exception("keys file watch failed")
 
     async def _deployed(self) -> bool:
         """Whether a specserve router application is deployed (after the first read of what
@@ -243,15 +307,36 @@ class DispatchState:
         }
         await _send_json(send, 200 if body["ready"] else 503, body, [_request_id(scope)])
 
+    async def pass_with_key(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Another `/v1/` route (the router application's `/v1/models`): with an API key, and
+        not before the keys are known (fail closed)."""
+        try:
+            if not await self._deployed():
+                raise OpenAIError(503, "the router is starting; retry shortly", code="starting")
+            self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
+        except OpenAIError as exc:
+            await _send_error(send, exc, [_request_id(scope)])
+            return
+        await app(scope, receive, send)
+
     async def pass_to_arm(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """`/arms/<name>/...` from a client: the arm's own routes, only for arms deployed with
-        `expose_http` (debugging, the router-overhead benchmark); internal otherwise."""
+        `expose_http` (debugging, the router-overhead benchmark) and with an admin key; not
+        found otherwise, also while the arm states are not known (fail closed)."""
         arm = scope["path"].removeprefix(ARM_ROUTE_PREFIX).split("/", 1)[0]
-        if not await self._deployed() or arm in self.serve_state.exposed:
-            await app(scope, receive, send)
+        request_id = _request_id(scope)
+        if not await self._deployed() or arm not in self.serve_state.exposed:
+            not_found = OpenAIError(404, f"no route {scope['path']}")
+            await _send_error(send, not_found, [request_id])
             return
-        not_found = OpenAIError(404, f"no route {scope['path']}")
-        await _send_error(send, not_found, [_request_id(scope)])
+        try:
+            identity = self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
+            if identity is not None and not identity.admin:
+                raise admin_required("an arm's own routes")
+        except OpenAIError as exc:
+            await _send_error(send, exc, [request_id])
+            return
+        await app(scope, receive, send)
 
     async def serve(
         self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, endpoint: str
@@ -271,6 +356,7 @@ class DispatchState:
         request_id = _request_id(scope)  # on the request too: the arm logs it under the same
         record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
         exchange: _Exchange | None = None
+        identity: Identity | None = None
         try:
             try:
                 if self.serve_state.draining:
@@ -280,32 +366,58 @@ class DispatchState:
                         code="shutting_down",
                         headers={headers.RETRY_AFTER: "1"},
                     )
-                raw = await _read_body(scope, receive, config.limits.max_body_bytes)
-                data = parse_body(raw)
-                record.arm = self._pick_arm(scope, data, loaded)
+                # Who is asking, before anything of theirs is read.
+                identity = self._admit(scope, config)
+                raw = await _read_body(scope, receive, config.limits)
+                if len(raw) > PARSE_OFF_LOOP_BYTES:
+                    data = await asyncio.to_thread(parse_body, raw)
+                else:
+                    data = parse_body(raw)
+                record.arm = self._pick_arm(scope, data, loaded, record)
                 extra.append((_ARM, record.arm.encode()))
-                check_limits(data, config)
+                if check_limits(data, config):  # given the configured token limit
+                    raw = json.dumps(data).encode()
                 self._check_room(record.arm, config)
             except OpenAIError as exc:
                 record.outcome = outcome_of_status(exc.status)
                 await _send_error(send, exc, [*extra, request_id])
                 return
-            arm_scope = _arm_scope(scope, record.arm, config.limits.request_timeout_s)
             exchange = _Exchange(
                 record, send, extra, request_id, client_wants_usage=wants_usage(data)
             )
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
-            await exchange.run(app, arm_scope, raw, receive)
-            if not exchange.started and not exchange.client_gone:
-                # The arm's replica died (or was unreachable) before answering: nothing reached
-                # the client, so replay once; Ray Serve routes it to a live replica.
-                logger.warning(
-                    "arm %s: replica failed before answering; replaying the request once",
-                    record.arm,
-                )
-                metrics.count_retry(record.arm)
-                await exchange.run(app, arm_scope, raw, receive)
+            timeout_s = config.limits.request_timeout_s
+            await exchange.run(app, _arm_scope(scope, record.arm, timeout_s), raw, receive)
+            if exchange.unanswered() and not exchange.client_gone:
+                # The arm's replica died (or the arm has none left) before answering: nothing
+                # reached the client, so replay once, on another running arm where the weights
+                # chose this one. Never a body that already was: a request that kills an engine
+                # must not kill another.
+                if self.replayed.first_time(raw):
+                    failed_arm = record.arm
+                    record.arm = self._replay_arm(record, config)
+                    logger.warning(
+                        "arm %s: no answer before the replica failed; replaying the request "
+                        "once on arm %s",
+                        failed_arm,
+                        record.arm,
+                    )
+                    metrics.count_retry(failed_arm)
+                    self.at_arm[failed_arm] -= 1
+                    self.at_arm[record.arm] += 1
+                    extra = [h for h in extra if h[0] != _ARM] + [(_ARM, record.arm.encode())]
+                    exchange = _Exchange(
+                        record, send, extra, request_id, client_wants_usage=wants_usage(data)
+                    )
+                    arm_scope = _arm_scope(scope, record.arm, timeout_s)
+                    await exchange.run(app, arm_scope, raw, receive)
+                else:
+                    logger.warning(
+                        "arm %s: no answer before the replica failed, for a request replayed "
+                        "once already; not replaying it again",
+                        record.arm,
+                    )
             await exchange.finish()
         except _ClientGone:
             record.outcome = OUTCOME_CANCELLED
@@ -321,6 +433,53 @@ class DispatchState:
             if exchange is not None:
                 self.at_arm[record.arm] -= 1
             record.finish(metrics)
+            if identity is not None and record.output_tokens:
+                metrics.count_key_tokens(identity.name, record.output_tokens)
+                self.key_limits.spend_tokens(identity.name, record.output_tokens)
+
+    def _admit(self, scope: Scope, config: RouterConfig) -> Identity | None:
+        """The request's API key (401 without a valid one), the admin power it uses (403 for
+        a public key) and its key's rate limits (429); None when no keys are configured."""
+        assert self.metrics is not None
+        request_headers = _headers(scope)
+        try:
+            identity = self.keys.authenticate(request_headers.get(headers.AUTHORIZATION))
+        except OpenAIError as exc:
+            self.metrics.count_auth(
+                NO_KEY, AUTH_MISSING if exc.code == "missing_api_key" else AUTH_INVALID
+            )
+            raise
+        if identity is None:
+            return None
+        if headers.ARM_OVERRIDE in request_headers and not identity.admin:
+            self.metrics.count_auth(identity.name, AUTH_FORBIDDEN)
+            raise admin_required(f"forcing an arm ({headers.ARM_OVERRIDE})")
+        limit = config.limits.key_limit(identity.name)
+        if limit is not None:
+            try:
+                self.key_limits.admit(
+                    identity.name, limit.requests_per_minute, limit.output_tokens_per_minute
+                )
+            except OpenAIError:
+                self.metrics.count_auth(identity.name, AUTH_RATE_LIMITED)
+                raise
+        self.metrics.count_auth(identity.name, AUTH_ACCEPTED)
+        return identity
+
+    def _replay_arm(self, record: RequestRecord, config: RouterConfig) -> str:
+        """Where a request whose arm failed before answering goes again: a forced request to
+        its arm; one the weights or a sticky key placed to another running arm by the weights
+        (its own arm if no other runs)."""
+        if not record.randomized or self.guard is None:
+            return record.arm
+        others = {arm: w for arm, w in config.weights.items() if arm != record.arm}
+        try:
+            selection = choose_arm(
+                others, running=self.serve_state.running, drained=self.guard.drained()
+            )
+        except ArmNotRunningError:
+            return record.arm
+        return selection.arm
 
     def _check_room(self, name: str, config: RouterConfig) -> None:
         """Refuse a request that would take this proxy past the arm's capacity: every replica
@@ -329,7 +488,9 @@ class DispatchState:
         if arm is not None and self.at_arm[name] >= arm.capacity_per_proxy():
             raise arm_overloaded(name, str(OVERLOAD_RETRY_AFTER_S))
 
-    def _pick_arm(self, scope: Scope, data: dict[str, Any], loaded: LoadedConfig) -> str:
+    def _pick_arm(
+        self, scope: Scope, data: dict[str, Any], loaded: LoadedConfig, record: RequestRecord
+    ) -> str:
         assert self.metrics is not None and self.guard is not None
         config = loaded.config
         request_headers = _headers(scope)
@@ -351,6 +512,11 @@ class DispatchState:
         except ArmNotRunningError as exc:
             raise OpenAIError(503, str(exc), code="arm_not_running") from None
         self.metrics.count_selection(*selection)
+        if selection.selected_by == SELECTED_BY_OVERRIDE:
+            # A forced request is not randomized: it neither feeds the guardrail nor the A/B
+            # statistics, so no client can drain an arm or bias a verdict with it.
+            record.guard = None
+            record.randomized = False
         return selection.arm
 
 
@@ -378,6 +544,13 @@ class _Exchange:
         self.stream = False
         self.complete = False
         self.client_gone = False
+
+    def unanswered(self) -> bool:
+        """Whether neither the arm nor a replica of it answered: its replica died before
+        answering, or Ray Serve found no replica (503) or no application (404) for it."""
+        if not self.started:
+            return True
+        return self.foreign is not None and int(self.foreign["status"]) in (404, 503)
 
     async def run(self, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive) -> None:
         replayed = False
@@ -517,14 +690,21 @@ def _internal_error() -> OpenAIError:
     return OpenAIError(500, "Internal Server Error", type="server_error")
 
 
-async def _read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> bytes:
-    """The whole request body, refused (413) as soon as it is known to pass the limit."""
+async def _read_body(scope: Scope, receive: Receive, limits: LimitsConfig) -> bytes:
+    """The whole request body, refused as soon as it is known to pass the size limit (413) or
+    to arrive later than the deadline (408)."""
+    max_body_bytes = limits.max_body_bytes
     declared = _headers(scope).get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise body_too_large(int(declared), max_body_bytes)
     chunks, size = [], 0
+    deadline = asyncio.get_running_loop().time() + limits.body_timeout_s
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            raise body_too_slow(limits.body_timeout_s) from None
         if message["type"] == "http.disconnect":
             raise _ClientGone  # before it had sent its request
         chunk = message.get("body", b"")
@@ -543,8 +723,9 @@ def _headers(scope: Scope) -> dict[str, str]:
 def _arm_scope(scope: Scope, arm: str, timeout_s: float) -> Scope:
     """The request as the proxy routes it to the arm's application."""
     path = ARM_ROUTE_PREFIX + arm + scope["path"]
-    # The time limit is the config's: a client's own value of the header is dropped.
-    kept = [(name, value) for name, value in scope["headers"] if name != _TIMEOUT]
+    # The time limit is the config's; the client's key and the headers that steer Ray Serve
+    # stay behind.
+    kept = [(name, value) for name, value in scope["headers"] if _passes_to_arm(name)]
     return {
         **scope,
         "path": path,
@@ -553,15 +734,24 @@ def _arm_scope(scope: Scope, arm: str, timeout_s: float) -> Scope:
     }
 
 
+def _passes_to_arm(name: bytes) -> bool:
+    if name in _NOT_FOR_ARMS:
+        return False
+    normalized = name.decode("latin-1").lower().replace("-", "_")
+    return normalized != headers.RAY_SERVE_MULTIPLEXED_MODEL_ID
+
+
 def _request_id(scope: Scope) -> tuple[bytes, bytes]:
     """The request's id, as Ray Serve's proxy sets it on what it answers: the client's
-    `x-request-id`, else a new one, also put on the request so the arm logs it under the same."""
+    `x-request-id` if it has the expected shape (it reaches the logs), else a new one, also put
+    on the request so the arm logs it under the same."""
     name = headers.REQUEST_ID.encode()
-    found = next((value for key, value in scope["headers"] if key == name), None)
-    if found is None:
-        found = str(uuid.uuid4()).encode()
-        scope["headers"] = [*scope["headers"], (name, found)]
-    return name, found
+    found = [value for key, value in scope["headers"] if key == name]
+    if len(found) == 1 and _REQUEST_ID_SHAPE.fullmatch(found[0]):
+        return name, found[0]
+    new = str(uuid.uuid4()).encode()
+    scope["headers"] = [*(h for h in scope["headers"] if h[0] != name), (name, new)]
+    return name, new
 
 
 async def _send_json(

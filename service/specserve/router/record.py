@@ -52,6 +52,8 @@ class RequestRecord:
     spec_decode: dict[str, Any] | None = None
     outcome: str = OUTCOME_OK
     finished: bool = False
+    # Chosen by the weights or a sticky key (not forced): only these feed the A/B statistics.
+    randomized: bool = True
     # Told the draft stats of each successful request (the acceptance guardrail).
     guard: AcceptanceGuard | None = None
     in_flight: InFlight | None = None
@@ -86,9 +88,10 @@ class RequestRecord:
             ttft_s=ttft_s,
             tpot_s=tpot_s,
             output_tokens=self.output_tokens,
+            randomized=self.randomized,
         )
         if self.spec_decode:
-            metrics.observe_spec_decode(self.arm, self.spec_decode)
+            metrics.observe_spec_decode(self.arm, self.spec_decode, randomized=self.randomized)
             if self.guard is not None and self.guard.observe(
                 self.arm,
                 int(self.spec_decode.get("num_spec_steps") or 0),

@@ -36,7 +36,10 @@ _TYPE_TAGS = frozenset({"body", "str", "int", "float", "bool", "list", "dict", "
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "timeout",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",

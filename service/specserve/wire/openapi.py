@@ -18,6 +18,7 @@ from specserve.config import LoadedConfig, RouterConfig
 
 REF = "#/components/schemas/{model}"
 ERROR = "ErrorResponse"
+BEARER = "apiKey"
 _ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -36,9 +37,13 @@ _ERROR_SCHEMA = {
 }
 _ERROR_STATUSES = {
     "400": "Invalid request: the message names the field",
+    "401": "Missing or wrong API key (where keys are configured)",
+    "403": "Forcing an arm needs an admin key",
     "404": "Unknown model",
+    "408": "The request body arrived too slowly",
     "413": "Request body too large",
-    "429": "The arm is overloaded: retry after `Retry-After` seconds",
+    "429": "The arm is overloaded, or the API key over its rate limit: retry after "
+    "`Retry-After` seconds",
     "503": "The arm is not running, its engine failed, or the service is shutting down",
 }
 
@@ -52,12 +57,16 @@ def openapi_document(
     doc = get_openapi(title="specserve", version=loaded.revision, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas[ERROR] = _ERROR_SCHEMA
+    doc["components"]["securitySchemes"] = {
+        BEARER: {"type": "http", "scheme": "bearer", "description": "An API key"}
+    }
     for path, model in bodies.items():
         schema = model.model_json_schema(ref_template=REF, mode="validation")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = _narrowed(schema, config)
         operation = doc["paths"][path]["post"]
         operation["parameters"] = _routing_headers(config)
+        operation["security"] = [{BEARER: []}]
         operation["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
@@ -115,7 +124,8 @@ def _routing_headers(config: RouterConfig) -> list[dict[str, Any]]:
             "name": headers.ARM_OVERRIDE,
             "in": "header",
             "required": False,
-            "description": "Serve this request on this arm (any configured arm, weight 0 too)",
+            "description": "Serve this request on this arm (any configured arm, weight 0 too); "
+            "needs an admin key where keys are configured",
             "schema": {"type": "string", "enum": [arm.name for arm in config.arms]},
         },
         {

@@ -27,6 +27,12 @@ def body_too_large(size: int | str, max_body_bytes: int) -> OpenAIError:
     return OpenAIError(413, f"request body is {size} bytes; the limit is {max_body_bytes}")
 
 
+def body_too_slow(timeout_s: float) -> OpenAIError:
+    return OpenAIError(
+        408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
+    )
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; 400 naming what is wrong with it otherwise."""
     try:
@@ -60,8 +66,10 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-def check_limits(data: dict[str, Any], config: RouterConfig) -> None:
-    """The model this deployment serves, and the configured bounds on tokens and choices."""
+def check_limits(data: dict[str, Any], config: RouterConfig) -> bool:
+    """The model this deployment serves, and the configured bounds on tokens and choices. A
+    request that names no token limit gets one, within the bounds: True when `data` was given
+    one (its body must be written again)."""
     model = data.get("model")
     if model is None:
         raise OpenAIError(400, "model: field required", param="model")
@@ -84,6 +92,20 @@ def check_limits(data: dict[str, Any], config: RouterConfig) -> None:
             raise OpenAIError(
                 400, f"{key} is {value}; this deployment allows at most {most}", param=key
             )
+    n = int(data.get("n") or 1)
+    tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+    if tokens is None:
+        # Else the engine generates to the end of the context (131,072 tokens on some models).
+        data["max_tokens"] = min(limits.max_tokens, max(1, limits.max_total_tokens // n))
+        return True
+    if n * int(tokens) > limits.max_total_tokens:
+        raise OpenAIError(
+            400,
+            f"n x max_tokens is {n} x {int(tokens)}; this deployment allows at most "
+            f"{limits.max_total_tokens} tokens per request",
+            param="n",
+        )
+    return False
 
 
 def wants_usage(data: dict[str, Any]) -> bool:

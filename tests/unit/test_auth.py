@@ -1,0 +1,105 @@
+"""API keys (wire/auth.py): the keys file format, digests only, and a comparison whose time says
+nothing about how close a wrong key came to a real one."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from specserve.wire.auth import (
+    MIN_KEY_LENGTH,
+    Identity,
+    KeyLimits,
+    KeyRing,
+    KeysFileError,
+    digest,
+    parse_keys,
+)
+from specserve.wire.errors import OpenAIError
+
+KEY = "k" * 20 + "0123456789abcdef" * 4  # 84 characters
+
+
+def test_a_keys_file_holds_named_and_bare_keys_as_digests():
+    keys = parse_keys(f"# comment\n\nteam-a = {KEY}\n{KEY}x\n  {KEY}y  \n")
+    assert keys == {"team-a": digest(KEY), "key-2": digest(KEY + "x"), "key-3": digest(KEY + "y")}
+    assert all(KEY not in repr(v) for v in keys.values())
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("team-a=short", f"at least {MIN_KEY_LENGTH}"),
+        (f"bad name={KEY}", "key name"),
+        (f"a={KEY}\na={KEY}z", "appears twice"),
+        (f"a={KEY} {KEY}", "without spaces"),
+    ],
+)
+def test_a_bad_line_is_refused_by_its_number_never_its_text(text, problem):
+    with pytest.raises(KeysFileError, match=problem) as found:
+        parse_keys(text, source="keys")
+    assert KEY not in str(found.value) and "short" not in str(found.value)
+    assert "line" in str(found.value)
+
+
+def test_identify_names_the_key_and_whether_it_is_an_admin_key(tmp_path):
+    (tmp_path / "api").write_text(f"team-a={KEY}\n")
+    (tmp_path / "admin").write_text(f"ops={KEY}-admin\n")
+    ring = KeyRing(str(tmp_path / "api"), str(tmp_path / "admin"))
+    assert ring.identify(KEY) == Identity("team-a", admin=False)
+    assert ring.identify(KEY + "-admin") == Identity("ops", admin=True)
+    assert ring.identify(KEY[:-1]) is None
+    with pytest.raises(OpenAIError) as refused:
+        ring.authenticate(f"Basic {KEY}")
+    assert refused.value.status == 401
+
+
+def test_no_keys_files_serves_without_keys_and_an_unreadable_one_refuses_all(tmp_path):
+    assert KeyRing(None, None).authenticate(None) is None
+    ring = KeyRing(str(tmp_path / "missing"), None)
+    with pytest.raises(OpenAIError):
+        ring.authenticate(f"Bearer {KEY}")
+
+
+def _time_per_call_ns(ring: KeyRing, key: str, calls: int) -> float:
+    started = time.perf_counter_ns()
+    for _ in range(calls):
+        ring.identify(key)
+    return (time.perf_counter_ns() - started) / calls
+
+
+def test_a_wrong_key_sharing_a_long_prefix_is_not_slower_to_refuse(tmp_path):
+    """A comparison that stops at the first differing byte refuses a key that shares 83 of 84
+    characters with a real one later than a key that shares none: the timing attack of
+    CVE-2025-59425. Digests compared in full, against every key, take the same time."""
+    (tmp_path / "api").write_text("".join(f"k{i}={KEY}{i}\n" for i in range(20)))
+    ring = KeyRing(str(tmp_path / "api"), None)
+    near, far = KEY + "9x", "z" * len(KEY) + "9x"  # 85 characters each, like the real keys
+    near_ns, far_ns = [], []
+    for _ in range(40):  # interleaved, so the machine's load falls on both alike
+        near_ns.append(_time_per_call_ns(ring, near, 200))
+        far_ns.append(_time_per_call_ns(ring, far, 200))
+    ratio = statistics.median(near_ns) / statistics.median(far_ns)
+    print(f"near {statistics.median(near_ns):.0f} ns, far {statistics.median(far_ns):.0f} ns")
+    assert 0.85 < ratio < 1.15, ratio
+
+
+def test_token_buckets_refill_over_a_minute():
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    for _ in range(3):
+        limits.admit("a", 3, None)
+    with pytest.raises(OpenAIError) as refused:
+        limits.admit("a", 3, None)
+    assert refused.value.status == 429 and refused.value.headers["retry-after"] == "20"
+    now[0] = 20.0  # a third of a minute: one request back
+    limits.admit("a", 3, None)
+    # Output tokens are spent after the answer and may take the bucket below zero.
+    limits.admit("b", None, 100)
+    limits.spend_tokens("b", 250)
+    with pytest.raises(OpenAIError):
+        limits.admit("b", None, 100)
+    now[0] = 20.0 + 60 * 1.6  # 160 tokens back: above zero again
+    limits.admit("b", None, 100)

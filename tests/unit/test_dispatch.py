@@ -1,0 +1,400 @@
+"""The dispatch's request path (router/dispatch.py) against a fake arm: an ASGI app standing in
+for Ray Serve's proxy routing, which answers as an arm's front does. What the arm states are
+is given, not read from a Ray Serve controller; everything else is the real dispatch: API keys,
+the admin override, the headers passed on, limits, replays, the guardrail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from specserve import headers
+from specserve.router import dispatch as dispatch_module
+from specserve.router.arm_states import ServeState
+from specserve.router.dispatch import Dispatch
+
+MODEL = "m"
+PUBLIC_KEY = "public-key-0123456789abcdef"
+ADMIN_KEY = "admin-key-0123456789abcdef"
+CONFIG = """\
+model: {{name: m, source: /nowhere, accelerator: cpu}}
+limits: {{max_tokens: 64, max_total_tokens: 128, body_timeout_s: 0.5{per_key}}}
+guardrail: {{min_acceptance_length: 1.5, window_s: 60, min_drafts: 20, drain_s: 300}}
+arms:
+  - {{name: a, weight: 1, speculative: {{method: ngram, num_speculative_tokens: 3}}}}
+  - {{name: b, weight: {weight_b}}}
+"""
+
+
+class FakeArms:
+    """Ray Serve's routing to the arms: answers as an arm's front, and records what it got."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []  # {"path", "headers", "body"}
+        self.dead: set[str] = set()  # arms whose replica dies before answering
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.requests.append(
+            {"path": scope["path"], "headers": dict(scope["headers"]), "body": body}
+        )
+        arm = scope["path"].split("/")[2]
+        if arm in self.dead:
+            return
+        usage = {
+            "usage": {"completion_tokens": 5},
+            # Every draft rejected: below the guardrail's floor.
+            "metrics": {"speculative_decoding": {"num_spec_steps": 10, "num_draft_tokens": 30}},
+        }
+        answer = json.dumps({"choices": [{"text": "x"}]}).encode()
+        response_headers = [
+            (b"content-type", b"application/json"),
+            (headers.ARM.encode(), arm.encode()),
+            (headers.USAGE.encode(), json.dumps(usage).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": response_headers})
+        await send({"type": "http.response.body", "body": answer, "more_body": False})
+
+
+class Client:
+    """One dispatch (as in one proxy) over the fake arms, driven as ASGI."""
+
+    def __init__(
+        self, tmp_path: Path, monkeypatch, *, exposed=frozenset(), per_key="", weight_b=0
+    ) -> None:
+        self.config = tmp_path / "config.yaml"
+        self.config.write_text(CONFIG.format(per_key=per_key, weight_b=weight_b))
+        self.api_keys = tmp_path / "api-keys"
+        self.api_keys.write_text(f"# public keys\nteam-a={PUBLIC_KEY}\n")
+        self.admin_keys = tmp_path / "admin-keys"
+        self.admin_keys.write_text(f"ops={ADMIN_KEY}\n")
+        args = {
+            "config_path": str(self.config),
+            "config_poll_s": 0.05,
+            "api_keys_file": str(self.api_keys),
+            "admin_keys_file": str(self.admin_keys),
+        }
+        state = ServeState(
+            statuses={"a": "RUNNING", "b": "RUNNING"},
+            running=frozenset({"a", "b"}),
+            router_args=args,
+            exposed=frozenset(exposed),
+        )
+        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: state)
+        # vLLM's argument parser takes ~20 s to import; the engine settings are not under test.
+        monkeypatch.setattr(dispatch_module, "check_engine_settings", lambda *a, **k: None)
+        monkeypatch.setattr("specserve.watch.check_engine_settings", lambda *a, **k: None)
+        self.arms = FakeArms()
+        self.dispatch = Dispatch(self.arms)
+
+    async def request(
+        self,
+        path="/v1/completions",
+        body: dict | None = None,
+        key: str | None = PUBLIC_KEY,
+        extra: dict[str, str] | None = None,
+        chunks: list[bytes] | None = None,
+        pause_s: float = 0.0,
+    ) -> tuple[int, dict[str, str], dict]:
+        raw = json.dumps(body if body is not None else {"model": MODEL, "prompt": "hi"}).encode()
+        parts = chunks if chunks is not None else [raw]
+        request_headers = [(b"content-type", b"application/json")]
+        if key is not None:
+            request_headers.append((b"authorization", f"Bearer {key}".encode()))
+        for name, value in (extra or {}).items():
+            request_headers.append((name.encode(), value.encode()))
+        scope = {"type": "http", "method": "POST", "path": path, "headers": request_headers}
+        pending = list(parts)
+        sent: list[dict] = []
+
+        async def receive():
+            if pending:
+                part = pending.pop(0)
+                if pause_s and not pending:
+                    await asyncio.sleep(pause_s)
+                return {"type": "http.request", "body": part, "more_body": bool(pending)}
+            await asyncio.sleep(3600)  # the client stays connected
+
+        async def send(message):
+            sent.append(message)
+
+        await self.dispatch(scope, receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        found = {k.decode(): v.decode() for k, v in start["headers"]}
+        return start["status"], found, json.loads(answer) if answer else {}
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch):
+    return Client(tmp_path, monkeypatch)
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_missing_or_wrong_key_gets_401_in_the_openai_shape(client):
+    async def main():
+        for key, code in ((None, "missing_api_key"), ("wrong-key-0123456789", "invalid_api_key")):
+            status, found, body = await client.request(key=key)
+            assert status == 401
+            assert found["www-authenticate"].startswith("Bearer")
+            assert body["error"]["code"] == code and body["error"]["type"]
+            assert "wrong-key" not in json.dumps(body)  # a key is never echoed
+        assert client.arms.requests == []
+        status, found, _ = await client.request(key=PUBLIC_KEY)
+        assert status == 200 and found[headers.ARM] == "a"
+        status, _, _ = await client.request(key=ADMIN_KEY)  # an admin key is an API key too
+        assert status == 200
+
+    run(main())
+
+
+def test_the_key_does_not_reach_the_arm_nor_do_headers_that_steer_ray_serve(client):
+    steering = {
+        "x-request-disconnect-disabled": "?1",
+        "x-request-timeout-seconds": "0.001",
+        "serve_multiplexed_model_id": "other",
+        "Serve-Multiplexed-Model-Id": "other",
+        headers.REQUEST_TIMEOUT_S: "0.001",
+    }
+
+    async def main():
+        status, _, _ = await client.request(extra=steering)
+        assert status == 200
+        passed = client.arms.requests[-1]["headers"]
+        names = {name.decode().lower() for name in passed}
+        assert "authorization" not in names
+        assert not names & {n.lower() for n in steering} - {headers.REQUEST_TIMEOUT_S}
+        assert passed[headers.REQUEST_TIMEOUT_S.encode()] != b"0.001"  # the config's limit
+
+    run(main())
+
+
+def test_a_client_request_id_is_kept_only_in_the_expected_shape(client):
+    async def main():
+        _, found, _ = await client.request(extra={headers.REQUEST_ID: "abc-123:x.y_z"})
+        assert found.get(headers.REQUEST_ID, "abc-123:x.y_z") == "abc-123:x.y_z"
+        assert client.arms.requests[-1]["headers"][b"x-request-id"] == b"abc-123:x.y_z"
+        for bad in ("a b", "x" * 129, "<script>", "line\\nbreak"):
+            await client.request(extra={headers.REQUEST_ID: bad})
+            given = client.arms.requests[-1]["headers"][b"x-request-id"].decode()
+            assert given != bad and len(given) == 36  # a new uuid
+
+    run(main())
+
+
+def test_forcing_an_arm_needs_an_admin_key(client):
+    async def main():
+        status, _, body = await client.request(extra={headers.ARM_OVERRIDE: "b"})
+        assert status == 403 and body["error"]["code"] == "admin_key_required"
+        status, found, _ = await client.request(key=ADMIN_KEY, extra={headers.ARM_OVERRIDE: "b"})
+        assert status == 200 and found[headers.ARM] == "b"
+
+    run(main())
+
+
+def test_forced_requests_neither_drain_an_arm_nor_count_in_the_ab_statistics(client):
+    """Every answer of the fake arm accepts no draft, below the guardrail's floor: forced
+    requests leave the arm in the split; weighted ones drain it."""
+
+    async def main():
+        force = {headers.ARM_OVERRIDE: "a"}
+        for _ in range(5):  # 50 verify steps, past the 20 the guardrail needs
+            assert (await client.request(key=ADMIN_KEY, extra=force))[0] == 200
+        state = client.dispatch.state
+        assert state.guard.drained() == frozenset()
+        for _ in range(5):
+            assert (await client.request())[0] == 200
+        assert state.guard.drained() == {"a"}
+
+    run(main())
+
+
+def test_a_request_without_max_tokens_gets_the_limit_and_n_times_tokens_is_bounded(client):
+    async def main():
+        status, _, _ = await client.request(body={"model": MODEL, "prompt": "hi", "n": 4})
+        assert status == 200
+        sent = json.loads(client.arms.requests[-1]["body"])
+        assert sent["max_tokens"] == 32  # max_total_tokens 128 / n 4, within max_tokens 64
+        status, _, _ = await client.request(body={"model": MODEL, "prompt": "hi"})
+        assert json.loads(client.arms.requests[-1]["body"])["max_tokens"] == 64
+        many = {"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 64}
+        status, _, body = await client.request(body=many)
+        assert status == 400 and "n x max_tokens" in body["error"]["message"]
+
+    run(main())
+
+
+def test_a_body_slower_than_the_deadline_gets_408(client):
+    raw = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+
+    async def main():
+        status, _, body = await client.request(chunks=[raw[:5], raw[5:]], pause_s=2.0)
+        assert status == 408 and body["error"]["code"] == "request_timeout"
+        assert client.arms.requests == []
+
+    run(main())
+
+
+def test_a_request_whose_replica_died_is_replayed_once_and_never_again(client):
+    async def main():
+        client.arms.dead = {"a", "b"}
+        status, _, body = await client.request()
+        assert status == 503 and body["error"]["code"] == "engine_unavailable"
+        assert len(client.arms.requests) == 2  # the request and its one replay
+        status, _, _ = await client.request()  # the same body again: no second replay
+        assert status == 503 and len(client.arms.requests) == 3
+        status, _, _ = await client.request(body={"model": MODEL, "prompt": "other"})
+        assert len(client.arms.requests) == 5  # another body is replayed once
+
+    run(main())
+
+
+def test_keys_are_read_again_when_the_file_changes(client):
+    new_key = "rotated-key-0123456789abcdef"
+
+    async def main():
+        assert (await client.request())[0] == 200
+        client.api_keys.write_text(f"team-a={new_key}\n")
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if (await client.request(key=new_key))[0] == 200:
+                break
+        assert (await client.request(key=new_key))[0] == 200
+        assert (await client.request(key=PUBLIC_KEY))[0] == 401  # revoked
+        client.api_keys.write_text("team-a=short\n")  # refused: the last keys stay
+        await asyncio.sleep(0.3)
+        assert (await client.request(key=new_key))[0] == 200
+
+    run(main())
+
+
+def test_a_key_over_its_request_rate_gets_429_with_retry_after(tmp_path, monkeypatch):
+    limited = Client(tmp_path, monkeypatch, per_key=", per_key: {team-a: {requests_per_minute: 2}}")
+
+    async def main():
+        assert [(await limited.request())[0] for _ in range(2)] == [200, 200]
+        status, found, body = await limited.request()
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+        assert int(found[headers.RETRY_AFTER]) >= 1
+        assert (await limited.request(key=ADMIN_KEY))[0] == 200  # another key, another bucket
+
+    run(main())
+
+
+def test_an_arms_own_routes_only_for_exposed_arms_with_an_admin_key(tmp_path, monkeypatch):
+    async def main(client, expected):
+        got = []
+        for key in (PUBLIC_KEY, ADMIN_KEY):
+            status, _, _ = await client.request(path="/arms/a/v1/completions", key=key)
+            got.append(status)
+        assert got == expected
+
+    run(main(Client(tmp_path, monkeypatch), [404, 404]))
+    run(main(Client(tmp_path, monkeypatch, exposed={"a"}), [403, 200]))
+
+
+def test_an_arms_own_routes_are_closed_while_the_arm_states_are_unknown(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch, exposed={"a"})
+    # No Serve controller answers: no router application is known.
+    monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: ServeState())
+    monkeypatch.setattr(dispatch_module, "FIRST_READ_WAIT_S", 0.1)
+
+    async def main():
+        status, _, _ = await client.request(path="/arms/a/v1/completions", key=ADMIN_KEY)
+        assert status == 404 and client.arms.requests == []
+
+    run(main())
+
+
+def test_models_needs_a_key_too_and_probes_do_not(client):
+    async def main():
+        for path, key, expected in (
+            ("/v1/models", None, 401),
+            ("/v1/models", PUBLIC_KEY, 200),
+            ("/health", None, 200),
+        ):
+            assert await _get(client, path, key) == expected, (path, key)
+
+    run(main())
+
+
+async def _get(client: Client, path: str, key: str | None) -> int:
+    request_headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
+    scope = {"type": "http", "method": "GET", "path": path, "headers": request_headers}
+    sent = []
+
+    async def passthrough(scope, receive, send):  # the router application
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    client.dispatch.app = passthrough
+    await client.dispatch(scope, receive, send)
+    return sent[0]["status"]
+
+
+def test_a_weighted_request_whose_arm_failed_is_replayed_on_another_arm(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch, weight_b=1)
+
+    async def main():
+        client.arms.dead = {"a"}
+        forced = {headers.ARM_OVERRIDE: "a"}
+        status, _, _ = await client.request(key=ADMIN_KEY, extra=forced)
+        assert status == 503  # forced to its arm: replayed there once, and failed again
+        assert [r["path"].split("/")[2] for r in client.arms.requests] == ["a", "a"]
+        client.arms.requests.clear()
+        for i in range(8):
+            body = {"model": MODEL, "prompt": f"hi {i}"}
+            status, found, _ = await client.request(body=body)
+            assert status == 200 and found[headers.ARM] == "b"
+        assert {r["path"].split("/")[2] for r in client.arms.requests} == {"a", "b"}
+        assert sum(client.dispatch.state.at_arm.values()) == 0  # every count given back
+
+    run(main())
+
+
+def test_a_controller_read_that_hangs_times_out_and_its_age_shows(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch)
+    first = dispatch_module.read_serve_state(None)
+    calls = []
+    release = threading.Event()
+
+    def hanging(previous=None):
+        calls.append(1)
+        if len(calls) > 1:
+            release.wait(2)  # the controller does not answer (beyond the test)
+        return first
+
+    monkeypatch.setattr(dispatch_module, "read_serve_state", hanging)
+    monkeypatch.setattr(dispatch_module, "READ_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(dispatch_module, "POLL_S", 0.05)
+
+    async def main():
+        assert (await client.request())[0] == 200
+        await asyncio.sleep(1.0)
+        assert (await client.request())[0] == 200  # routed with the last arm states
+        return client.dispatch.state.metrics._arm_states_age_s, len(calls)
+
+    try:
+        age_s, reads = run(main())
+    finally:
+        release.set()
+    assert age_s > 0.5
+    assert reads == 2  # the hanging read is waited on again, never started twice

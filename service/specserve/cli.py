@@ -374,12 +374,16 @@ def _config_path(explicit: Path | None) -> Path:
 def _serve(config: Path | None) -> int:
     if config is not None:
         os.environ["SPECSERVE_CONFIG"] = str(config)
-    from specserve.deploy import Platform
+    from specserve.deploy import DeployError, Platform
     from specserve.settings import get_settings
 
     settings = get_settings()
     started = time.monotonic()
-    platform = Platform(settings)
+    try:
+        platform = Platform(settings)
+    except DeployError as exc:
+        print(f"specserve: {exc}", file=sys.stderr)
+        return 2
     state = {"up": False, "stop": False, "stopping": False}
 
     def _on_signal(signum, frame):  # noqa: ARG001
@@ -412,6 +416,7 @@ def _serve(config: Path | None) -> int:
             f"  metrics: http://{settings.host}:{settings.metrics_port}/metrics\n"
             f"  config:  {platform.config_path} (revision {loaded.revision})\n"
             f"  model:   {loaded.config.model.name}\n"
+            f"  keys:    {settings.api_keys_file or 'none: no API key needed'}\n"
             + "".join(f"  arm {a.name}: weight {a.weight:g}\n" for a in loaded.config.arms)
             + "Ctrl-C stops everything.",
             flush=True,

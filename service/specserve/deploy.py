@@ -10,6 +10,7 @@ router reads them from the file itself.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import threading
@@ -56,9 +57,18 @@ class DeployError(RuntimeError):
 
 class Platform:
     def __init__(self, settings: Settings) -> None:
+        check_exposure(settings)
         self.settings = settings
         self.config_path = Path(settings.config).resolve()
         self.loaded: LoadedConfig = load_config(self.config_path)
+        # Absolute: every HTTP proxy reads them, whatever its working directory.
+        self.keys_files = {
+            name: str(Path(path).resolve()) if path else None
+            for name, path in (
+                ("api_keys_file", settings.api_keys_file),
+                ("admin_keys_file", settings.admin_keys_file),
+            )
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -112,7 +122,7 @@ class Platform:
                 serve.shutdown()
             ray.shutdown()
             return
-        started_here = _local_cluster_processes()
+        started_here = local_cluster_processes()
         ray.shutdown()
         _, alive = psutil.wait_procs(started_here, timeout=STRAGGLER_GRACE_S)
         for process in alive:
@@ -161,6 +171,7 @@ class Platform:
             host=s.host,
             port=s.port,
             expose_arms=s.expose_arms,
+            **self.keys_files,
         )
 
     def deploy(self, loaded: LoadedConfig) -> None:
@@ -212,7 +223,38 @@ class Platform:
             return {}
 
 
-def _local_cluster_processes() -> list[psutil.Process]:
+def ray_session_dir() -> Path:
+    """The session directory of the Ray cluster this process runs in: every log file its
+    processes write (Ray's, Ray Serve's, the router's and the engines') is under it."""
+    from ray._private import worker
+
+    node = worker._global_node
+    if node is None:
+        raise RuntimeError("Ray is not initialized in this process")
+    return Path(node.get_session_dir_path())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(settings: Settings) -> None:
+    """Refuse to serve without API keys where others can reach the endpoint."""
+    if settings.api_keys_file or is_loopback(settings.host) or settings.allow_unauthenticated:
+        return
+    raise DeployError(
+        f"refusing to serve on {settings.host} without API keys: anyone who reaches it could "
+        "use every arm. Set SPECSERVE_API_KEYS_FILE (one key a line, `name=key`), serve on "
+        "127.0.0.1, or set SPECSERVE_ALLOW_UNAUTHENTICATED=1 to serve openly anyway."
+    )
+
+
+def local_cluster_processes() -> list[psutil.Process]:
     """The processes of the Ray cluster this process started: Ray's own children of this process
     (GCS, raylet, agents) and everything below them (workers, replicas, engines)."""
     found = []

@@ -75,3 +75,40 @@ def test_building_the_command_line_reads_no_settings():
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert get_settings.cache_info().currsize == 0
+
+
+def test_serve_refuses_a_non_loopback_address_without_api_keys(monkeypatch, capsys):
+    from specserve.settings import get_settings
+
+    monkeypatch.setenv("SPECSERVE_HOST", "0.0.0.0")
+    get_settings.cache_clear()
+    try:
+        assert main(["serve"]) == 2
+        err = capsys.readouterr().err
+        assert "without API keys" in err and "SPECSERVE_API_KEYS_FILE" in err
+    finally:
+        get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "host, env, allowed",
+    [
+        ("127.0.0.1", {}, True),
+        ("::1", {}, True),
+        ("0.0.0.0", {"SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}, True),
+        ("0.0.0.0", {"SPECSERVE_API_KEYS_FILE": "/etc/keys"}, True),
+        ("10.1.2.3", {}, False),
+    ],
+)
+def test_which_addresses_serve_without_keys(monkeypatch, host, env, allowed):
+    from specserve.deploy import DeployError, check_exposure
+    from specserve.settings import Settings
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings(host=host)
+    if allowed:
+        check_exposure(settings)
+    else:
+        with pytest.raises(DeployError):
+            check_exposure(settings)

@@ -60,6 +60,14 @@ arms:
 """
 
 
+# The session platform serves with API keys, as a cluster does: tests send the admin key (it may
+# force an arm) unless they test a public key's limits.
+PUBLIC_KEY = "test-public-key-0123456789abcdef"
+ADMIN_KEY = "test-admin-key-0123456789abcdef"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+PUBLIC = {"authorization": f"Bearer {PUBLIC_KEY}"}
+
+
 # The ngram arm's bounded queues (the overload tests fill them): per engine replica, and per
 # HTTP proxy. 4 + 16 leaves room for the other tests' concurrent requests (8 at a time).
 NGRAM_ONGOING, NGRAM_QUEUED = 4, 16
@@ -146,7 +154,8 @@ class Live:
         self.config_path = config_path
         self.base_url = base_url
         self.metrics_url = metrics_url
-        self.http = httpx.Client(base_url=base_url, timeout=300)
+        self.auth = ADMIN  # the headers of an admin key
+        self.http = httpx.Client(base_url=base_url, timeout=300, headers=ADMIN)
 
     def revision(self) -> str:
         return self.http.get("/ready").json()["revision"]
@@ -211,9 +220,13 @@ def live(tmp_path_factory):
     config_dir = tmp_path_factory.mktemp("config")
     config_path = config_dir / "config.yaml"
     config_path.write_text(render_config())
+    (config_dir / "api-keys").write_text(f"tests={PUBLIC_KEY}\n")
+    (config_dir / "admin-keys").write_text(f"test-admin={ADMIN_KEY}\n")
     port, metrics_port = free_port(), free_port()
     settings = Settings(
         config=config_path,
+        api_keys_file=config_dir / "api-keys",
+        admin_keys_file=config_dir / "admin-keys",
         port=port,
         metrics_port=metrics_port,
         config_poll_s=0.25,

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from specserve import headers
-from tests.conftest import MODEL
+from tests.conftest import ADMIN_KEY, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=live.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=ADMIN_KEY, max_retries=0)
 
 
 def test_models_lists_only_the_public_name(live, client):
@@ -83,7 +83,9 @@ def test_stream_arrives_token_by_token(live):
 
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 40, "stream": True}
     arrivals = []
-    with httpx.stream("POST", live.base_url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream(
+        "POST", live.base_url + "/v1/completions", json=body, headers=live.auth, timeout=120
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.perf_counter())

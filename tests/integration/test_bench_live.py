@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specserve.bench import serving
+from tests.conftest import ADMIN_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -17,6 +18,7 @@ def bench_args(live, out, *extra: str) -> argparse.Namespace:
     return parser.parse_args(
         [
             *("--url", live.base_url, "--metrics-url", live.metrics_url),
+            *("--api-key", ADMIN_KEY),
             *("--prompts", "chat", "--num-prompts", "4", "--concurrency", "1", "2"),
             *("--max-tokens", "16", "--rounds", "2", "--warmups", "1", "--out", str(out)),
             *extra,

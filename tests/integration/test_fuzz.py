@@ -96,7 +96,7 @@ def test_generated_requests_get_no_server_error(live, api, path, mode):
     def check(case):
         if mode is GenerationMode.POSITIVE:
             case.body = bounded(case.body, path)
-        response = case.call(base_url=live.base_url, timeout=300)
+        response = case.call(base_url=live.base_url, headers=live.auth, timeout=300)
         statuses[response.status_code] += 1
         assert response.status_code < 500, f"{case.as_curl_command()}\n-> {response.text[:500]}"
         if response.status_code >= 400:

@@ -28,9 +28,10 @@ from specserve.metrics import (
     ARM_DRAINED,
     EXPORT_PREFIX,
     GUARDRAIL_DRAINS,
-    REQUEST_OUTPUT_SPEED,
+    REQUEST_STAT_COUNT,
     scrape,
 )
+from specserve.router.selection import sticky_arm
 from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
 
 pytestmark = pytest.mark.slow
@@ -78,9 +79,19 @@ def stream_once(live, topic: str) -> str:
 
 
 def exported_requests(prometheus, arm: str) -> float:
-    query = f'sum(ray_{REQUEST_OUTPUT_SPEED}_count{{arm="{arm}"}})'
+    query = f'sum(ray_{REQUEST_STAT_COUNT}_total{{arm="{arm}"}})'
     found = prometheus.query(query)
     return float(found[0]["value"][1]) if found else 0.0
+
+
+def sessions_of(arm: str, weights: dict[str, float], n: int) -> list[str]:
+    """Session keys the router's sticky hashing sends to `arm` while all arms run."""
+    found: list[str] = []
+    while len(found) < n:
+        key = uuid.uuid4().hex
+        if sticky_arm(key, weights) == arm:
+            found.append(key)
+    return found
 
 
 def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp_path):
@@ -89,11 +100,14 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
         # A weight change: live in the router, nothing redeploys.
         live.write_config(render_config(no_spec_weight=1, ngram_weight=0) + mismatched_arm)
         # Counters start at an arm's first request: one request each before the experiment's
-        # traffic, so that Prometheus counts every one of those from a known value.
+        # traffic, so that Prometheus counts every one of those from a known value. Sticky
+        # ones: forced requests are kept out of the A/B statistics.
+        weights = {"no-spec": 1.0, "ngram": 0.0, MISMATCHED: 1.0}
         for arm in ("no-spec", MISMATCHED):
-            forced = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
-            response = live.http.post(CHAT, json=forced, headers={headers.ARM_OVERRIDE: arm})
-            assert response.status_code == 200
+            first = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            session = {"x-session-id": sessions_of(arm, weights, 1)[0]}
+            response = live.http.post(CHAT, json=first, headers=session)
+            assert response.status_code == 200 and response.headers[headers.ARM] == arm
         deadline = time.monotonic() + 30
         while min(exported_requests(prometheus, a) for a in ("no-spec", MISMATCHED)) < 1:
             assert time.monotonic() < deadline, "Prometheus did not scrape the first requests"
@@ -185,17 +199,28 @@ def check_drain_and_return(live, with_arm: str) -> None:
         "messages": [{"role": "user", "content": "Tell me about the moon."}],
         "max_tokens": 32,
     }
-    # Override traffic feeds the guardrail of the proxy that routes it, until every proxy's
-    # dispatch has drained the arm.
-    lengths = []
-    for _ in range(120):
+    # Forced requests do not feed the guardrail: no client can drain an arm with them.
+    forced_lengths = []
+    for _ in range(8):
         response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
         assert response.status_code == 200
+        forced_lengths.append(mean_acceptance_length(response))
+    assert routers_draining(live, ARM) == 0
+    # Sticky traffic that the weights send to the arm feeds the guardrail of the proxy that
+    # routes it, until every proxy's dispatch has drained the arm.
+    weights = {"no-spec": 1.0, "ngram": 1.0, ARM: 1.0}
+    lengths = []
+    for session in sessions_of(ARM, weights, 120):
+        response = live.http.post(CHAT, json=body, headers={"x-session-id": session})
+        assert response.status_code == 200
+        if response.headers[headers.ARM] != ARM:  # drained meanwhile
+            break
         lengths.append(mean_acceptance_length(response))
         if routers_draining(live, ARM) == PROXIES:
             break
     else:
         raise AssertionError(f"{ARM} was not drained by every router")
+    assert sum(forced_lengths) / len(forced_lengths) < FLOOR  # they were below the floor too
     live.wait_for_metric(GUARDRAIL_DRAINS + "_total", drains_before + PROXIES, arm=ARM)
     mean = sum(lengths) / len(lengths)
     print(f"{ARM}: drained after {len(lengths)} requests, mean acceptance length {mean:.2f}")

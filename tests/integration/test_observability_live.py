@@ -55,7 +55,7 @@ def traffic(live, prometheus):
     configured but not running (its share falls back), a client error per arm."""
     original = live.config_path.read_text()
     stop = threading.Event()
-    clients = [httpx.Client(base_url=live.base_url, timeout=120) for _ in ARMS]
+    clients = [httpx.Client(base_url=live.base_url, timeout=120, headers=live.auth) for _ in ARMS]
     threads = [
         threading.Thread(target=_load, args=(client, arm, stop), daemon=True)
         for client, arm in zip(clients, sorted(ARMS), strict=True)

@@ -29,7 +29,7 @@ def arm_of(live, *, session=None, user=None, override=None, client=None) -> str:
 def many(live, n, request_kwargs):
     """Send n requests, 8 at a time; request i uses request_kwargs(i). Returns the arms."""
     with (
-        httpx.Client(base_url=live.base_url, timeout=120) as client,
+        httpx.Client(base_url=live.base_url, timeout=120, headers=live.auth) as client,
         cf.ThreadPoolExecutor(8) as pool,
     ):
         return list(pool.map(lambda i: arm_of(live, client=client, **request_kwargs(i)), range(n)))
@@ -62,7 +62,7 @@ def test_override_beats_stickiness(live):
 
 def test_weight_change_moves_traffic_live_without_dropping_requests(live, restore_config):
     pool = cf.ThreadPoolExecutor(4)
-    with httpx.Client(base_url=live.base_url, timeout=120) as client:
+    with httpx.Client(base_url=live.base_url, timeout=120, headers=live.auth) as client:
         # Keep requests in flight across both swaps.
         background = [
             pool.submit(lambda i=i: client.post("/v1/completions", json=BODY).status_code)

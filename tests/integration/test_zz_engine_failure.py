@@ -109,7 +109,7 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
 def kill_one_replica_under_load(live) -> None:
     retries_before = live.metric(ENGINE_RETRIES + "_total", arm="no-spec")
     with (
-        httpx.Client(base_url=live.base_url, timeout=120) as client,
+        httpx.Client(base_url=live.base_url, timeout=120, headers=live.auth) as client,
         cf.ThreadPoolExecutor(6) as pool,
     ):
         futures = [pool.submit(one_request, client, i) for i in range(REQUESTS)]
@@ -142,7 +142,7 @@ def kill_one_replica_under_load(live) -> None:
     after = httpx.post(
         live.base_url + CHAT,
         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
-        headers={headers.ARM_OVERRIDE: "no-spec"},
+        headers={headers.ARM_OVERRIDE: "no-spec", **live.auth},
         timeout=120,
     )
     assert after.status_code == 200

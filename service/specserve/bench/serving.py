@@ -19,6 +19,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +41,9 @@ from specserve.metrics import (
     scrape,
 )
 from specserve.settings import get_settings
+
+# Where OpenAI's clients, and vLLM's serving benchmark, read the API key from.
+API_KEY_ENV = "OPENAI_API_KEY"
 
 PROMPT_SETS = ("chat", "coding", "long", "perturbed")
 _KIND_OF_SET = {"chat": "chat", "coding": "code", "long": "long", "perturbed": "perturbed"}
@@ -108,7 +112,15 @@ def load_prompts(source: str, limit: int) -> list[list[dict]]:
 
 def discover(url: str) -> tuple[str, list[str]]:
     """The served model and the configured arms, from the router's OpenAPI document."""
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    key = os.environ.get(API_KEY_ENV)
+    auth = {headers.AUTHORIZATION: f"Bearer {key}"} if key else {}
+    models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30)
+    if models.status_code in (401, 403):
+        raise SystemExit(
+            f"{url} wants an API key: set {API_KEY_ENV} to an admin key (the benchmark forces "
+            "each arm in turn, which needs one)"
+        )
+    model = models.json()["data"][0]["id"]
     doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     arm_header = next(p for p in chat["parameters"] if p["name"] == headers.ARM_OVERRIDE)
@@ -376,6 +388,10 @@ def _save(fig, ax, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="OpenAI-compatible base")
+    parser.add_argument(
+        "--api-key",
+        help=f"an admin key of the deployment (default: ${API_KEY_ENV}); each arm is forced",
+    )
     parser.add_argument("--arms", nargs="*", help="default: every configured arm")
     parser.add_argument("--baseline", default="no-spec", help="the arm speedups are against")
     parser.add_argument(
@@ -403,6 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.url = args.url.rstrip("/")
+    if args.api_key:  # vLLM's request functions read it from there
+        os.environ[API_KEY_ENV] = args.api_key
     if args.metrics_url is None:
         args.metrics_url = f"http://127.0.0.1:{get_settings().metrics_port}/metrics"
     args.metrics_url = args.metrics_url or None

@@ -1,0 +1,402 @@
+"""Soak: the platform under steady traffic for minutes, one engine replica killed mid-run.
+
+    python -m specserve.bench.soak --duration-s 600    # the default config, on loopback
+
+Poisson arrivals (`--rate` per second, at most `--max-concurrency` in flight), streaming and not,
+split by the router's weights over every arm, each request with an API key. At `--kill-at` of the
+run one engine replica of `--kill-arm` is SIGKILLed (a replica on this machine). Every request is
+accounted for: completed, or failed by cause (HTTP status, a stream cut short, a transport error,
+no answer within `--timeout-s`, i.e. hung). A failure is the kill's when it was on the killed arm
+and in flight at the kill or started within KILL_WINDOW_S after it; any other failure fails the
+soak. The resident memory of every process of the local Ray cluster (GCS, raylet, proxy, router
+and engine replicas, engine cores) is sampled throughout; its slope over the second half shows
+creep. Every prompt carries a canary string, and the platform's log files are searched for it
+afterwards: prompts and completions are never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from specserve import headers
+
+# A failure on the killed arm that started this long after the kill is still the kill's: the
+# router learns within about a second that the arm has no replica, Ray Serve within a few.
+KILL_WINDOW_S = 10.0
+RSS_SAMPLE_S = 5.0
+# Creep: a process that keeps its RSS slope under this over the second half of the run does not
+# leak per request beyond ~9 KiB each at 2 requests/s (1 MiB a minute).
+MAX_RSS_SLOPE_MIB_PER_MIN = 1.0
+PROMPTS = (
+    "Name three colours.",
+    "Write a haiku about rivers.",
+    "What is the capital of France? Answer in one word.",
+    "List the first five prime numbers.",
+    "Explain what a lighthouse does, in two sentences.",
+)
+
+
+@dataclass
+class Outcome:
+    arm: str  # the arm that answered, "" when none did
+    stream: bool
+    started: float
+    ended: float
+    cause: str  # "ok", "http_<status>", "stream_cut", "transport", "hung"
+
+    @property
+    def ok(self) -> bool:
+        return self.cause == "ok"
+
+
+@dataclass
+class MemoryTrace:
+    """RSS samples (seconds since start, MiB) of one process."""
+
+    name: str
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def slope_mib_per_min(self, since_s: float, until_s: float) -> float | None:
+        """The least-squares slope of RSS from `since_s` on, for a process that ran from then
+        until `until_s` (a replica started or killed meanwhile loads or stops: no creep)."""
+        late = [(t, rss) for t, rss in self.samples if t >= since_s]
+        ran_through = self.samples[0][0] <= since_s and self.samples[-1][0] >= until_s
+        if len(late) < 3 or not ran_through:
+            return None
+        times = [t for t, _ in late]
+        mean_t, mean_r = statistics.fmean(times), statistics.fmean(r for _, r in late)
+        var = sum((t - mean_t) ** 2 for t in times)
+        if var == 0:
+            return None
+        return 60 * sum((t - mean_t) * (r - mean_r) for t, r in late) / var
+
+
+def platform_processes() -> list[psutil.Process]:
+    """Every process of the Ray cluster this process started."""
+    from specserve.deploy import local_cluster_processes
+
+    return local_cluster_processes()
+
+
+def _process_name(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())[:80] or process.name()
+    except psutil.Error:
+        return "?"
+
+
+class MemorySampler(threading.Thread):
+    def __init__(self, started: float) -> None:
+        super().__init__(daemon=True)
+        self.started = started
+        self.traces: dict[int, MemoryTrace] = {}
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.started
+        for process in platform_processes():
+            try:
+                rss = process.memory_info().rss / 2**20
+            except psutil.Error:
+                continue
+            trace = self.traces.setdefault(process.pid, MemoryTrace(_process_name(process)))
+            trace.samples.append((now, rss))
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(RSS_SAMPLE_S)
+
+
+def kill_replica(arm: str) -> int:
+    """SIGKILL the engine replica of `arm` using the most CPU (the busy one)."""
+    replicas = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if f"ServeReplica:arm-{arm}:" in " ".join(p.info["cmdline"] or [])
+    ]
+    if not replicas:
+        raise RuntimeError(f"no engine replica of arm {arm!r} runs on this machine")
+    for p in replicas:
+        p.cpu_percent()
+    time.sleep(0.5)
+    victim = max(replicas, key=lambda p: p.cpu_percent())
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim.pid
+
+
+async def one_request(
+    client: httpx.AsyncClient, model: str, canary: str, stream: bool, max_tokens: int
+) -> Outcome:
+    prompt = f"{random.choice(PROMPTS)} ({canary})"
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    started = time.monotonic()
+    arm, cause = "", "ok"
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            arm = response.headers.get(headers.ARM, "")
+            if response.status_code != 200:
+                await response.aread()
+                cause = f"http_{response.status_code}"
+            elif stream:
+                events = [line async for line in response.aiter_lines() if line.strip()]
+                if events[-1:] != ["data: [DONE]"] or any('data: {"error"' in e for e in events):
+                    cause = "stream_cut"
+            else:
+                json.loads(await response.aread())
+    except httpx.TimeoutException:
+        cause = "hung"
+    except (httpx.HTTPError, ValueError):
+        cause = "transport"
+    return Outcome(arm, stream, started, time.monotonic(), cause)
+
+
+async def drive(args: argparse.Namespace, model: str, canary: str, on_kill) -> list[Outcome]:
+    """Poisson arrivals for `duration_s`, then wait for every request to end."""
+    limits = httpx.Limits(max_connections=args.max_concurrency + 4)
+    auth = {headers.AUTHORIZATION: f"Bearer {args.api_key}"} if args.api_key else {}
+    slots = asyncio.Semaphore(args.max_concurrency)
+    tasks: list[asyncio.Task[Outcome]] = []
+    started = time.monotonic()
+    kill_at = started + args.kill_at * args.duration_s if args.kill_arm else None
+
+    async def bounded() -> Outcome:
+        try:
+            return await one_request(
+                client, model, canary, random.random() < args.stream_share, args.max_tokens
+            )
+        finally:
+            slots.release()
+
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=auth, timeout=args.timeout_s, limits=limits
+    ) as client:
+        while time.monotonic() - started < args.duration_s:
+            await asyncio.sleep(random.expovariate(args.rate))
+            if kill_at is not None and time.monotonic() >= kill_at:
+                await asyncio.to_thread(on_kill)
+                kill_at = None
+            await slots.acquire()  # arrivals wait while `max_concurrency` are in flight
+            tasks.append(asyncio.get_running_loop().create_task(bounded()))
+        return list(await asyncio.gather(*tasks))
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)}
+
+
+def logs_containing(canary: str, roots: list[Path]) -> list[str]:
+    """Every file under `roots` whose bytes contain `canary`."""
+    needle = canary.encode()
+    found = []
+    for root in roots:
+        for path in root.rglob("*") if root.is_dir() else [root]:
+            try:
+                if path.is_file() and needle in path.read_bytes():
+                    found.append(str(path))
+            except OSError:
+                continue
+    return found
+
+
+def summarize(
+    outcomes: list[Outcome],
+    killed_at: float | None,
+    kill_arm: str | None,
+    memory: dict[int, MemoryTrace],
+    duration_s: float,
+    max_rss_slope: float,
+    leaked_to: list[str],
+) -> dict[str, Any]:
+    def from_kill(o: Outcome) -> bool:
+        return (
+            killed_at is not None
+            and o.arm in (kill_arm, "")
+            and (o.started <= killed_at <= o.ended or 0 <= o.started - killed_at <= KILL_WINDOW_S)
+        )
+
+    failed = [o for o in outcomes if not o.ok]
+    unexplained = [o for o in failed if not from_kill(o)]
+    by_arm: dict[str, list[float]] = {}
+    for o in outcomes:
+        if o.ok:
+            by_arm.setdefault(o.arm, []).append(o.ended - o.started)
+    half = duration_s / 2
+    processes: list[dict[str, Any]] = []
+    for pid, trace in sorted(memory.items()):
+        slope = trace.slope_mib_per_min(half, duration_s - 2 * RSS_SAMPLE_S)
+        processes.append(
+            {
+                "pid": pid,
+                "process": trace.name,
+                "rss_start_mib": round(trace.samples[0][1], 1),
+                "rss_end_mib": round(trace.samples[-1][1], 1),
+                "slope_mib_per_min": None if slope is None else round(slope, 2),
+            }
+        )
+    creeping = [
+        p
+        for p in processes
+        if p["slope_mib_per_min"] is not None and p["slope_mib_per_min"] > max_rss_slope
+    ]
+    problems = []
+    if unexplained:
+        problems.append(f"{len(unexplained)} failures not from the kill")
+    if len(failed) > 0.001 * len(outcomes):
+        problems.append(f"{len(failed)} failures of {len(outcomes)}: more than 0.1 %")
+    if any(o.cause == "hung" for o in outcomes):
+        problems.append("requests hung")
+    if creeping:
+        problems.append(f"{len(creeping)} processes grow faster than {max_rss_slope} MiB/min")
+    if leaked_to:
+        problems.append(f"the canary is in {len(leaked_to)} log files")
+    return {
+        "sent": len(outcomes),
+        "completed": len(outcomes) - len(failed),
+        "failed_by_cause": dict(Counter(o.cause for o in failed)),
+        "failed_from_kill": len(failed) - len(unexplained),
+        "failed_unexplained": [asdict(o) for o in unexplained],
+        "streamed": sum(o.stream for o in outcomes),
+        "by_arm": {
+            arm: {"completed": len(lat), **percentiles_ms(lat)}
+            for arm, lat in sorted(by_arm.items())
+        },
+        "processes": processes,
+        "max_rss_slope_mib_per_min": max_rss_slope,
+        "canary_in_logs": leaked_to,
+        "passed": not problems,
+        "problems": problems,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"sent {report['sent']}, completed {report['completed']}, failed "
+        f"{sum(report['failed_by_cause'].values())} {report['failed_by_cause']} "
+        f"({report['failed_from_kill']} from the kill), streamed {report['streamed']}",
+        "",
+        "| arm | completed | p50 ms | p95 ms | p99 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for arm, row in report["by_arm"].items():
+        lines.append(
+            f"| {arm} | {row['completed']} | {row['p50']:.0f} | {row['p95']:.0f} | "
+            f"{row['p99']:.0f} |"
+        )
+    lines += ["", "| process | RSS start MiB | RSS end MiB | slope, 2nd half, MiB/min |"]
+    lines.append("| --- | --- | --- | --- |")
+    for p in report["processes"]:
+        lines.append(
+            f"| {p['process'][:60]} | {p['rss_start_mib']} | {p['rss_end_mib']} | "
+            f"{p['slope_mib_per_min']} |"
+        )
+    verdict = "PASS" if report["passed"] else "FAIL: " + "; ".join(report["problems"])
+    return "\n".join([*lines, "", verdict])
+
+
+def run(args: argparse.Namespace, *, model: str, log_roots: list[Path]) -> dict[str, Any]:
+    """The soak against a running platform whose Ray cluster this process started."""
+    canary = f"canary-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    sampler = MemorySampler(started)
+    sampler.sample()
+    sampler.start()
+    killed: dict[str, float] = {}
+
+    def on_kill() -> None:
+        pid = kill_replica(args.kill_arm)
+        killed["at"] = time.monotonic()
+        print(f"killed engine replica {pid} of arm {args.kill_arm}", flush=True)
+
+    try:
+        outcomes = asyncio.run(drive(args, model, canary, on_kill))
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    sampler.sample()
+    report = summarize(
+        outcomes,
+        killed.get("at"),
+        args.kill_arm,
+        sampler.traces,
+        time.monotonic() - started,
+        args.max_rss_slope,
+        logs_containing(canary, log_roots),
+    )
+    report["duration_s"] = round(time.monotonic() - started)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration-s", type=float, default=600)
+    parser.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--stream-share", type=float, default=0.5)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--timeout-s", type=float, default=300, help="longer counts as hung")
+    parser.add_argument("--kill-arm", default="ngram", help="'' for no kill")
+    parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the run")
+    parser.add_argument(
+        "--max-rss-slope", type=float, default=MAX_RSS_SLOPE_MIB_PER_MIN, help="MiB/min, 2nd half"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results/soak"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.deploy import Platform, ray_session_dir
+    from specserve.settings import get_settings
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    keys_dir = Path(tempfile.mkdtemp(prefix="specserve-soak-"))
+    args.api_key = uuid.uuid4().hex + uuid.uuid4().hex
+    (keys_dir / "api-keys").write_text(f"soak={args.api_key}\n")
+    settings = settings.model_copy(update={"api_keys_file": keys_dir / "api-keys"})
+    args.url = f"http://127.0.0.1:{settings.port}"
+    platform = Platform(settings)
+    try:
+        platform.start()
+        report = run(args, model=platform.loaded.config.model.name, log_roots=[ray_session_dir()])
+    finally:
+        platform.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (args.out / "soak.md").write_text(text + "\n")
+    print(text)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""A short soak (`specserve.bench.soak`, about 2 minutes) on the session platform: Poisson
+arrivals with a public API key, streaming and not, split by weight over both arms, and the
+ngram arm's engine replica killed once mid-run. Every request is accounted for, none hangs, a
+failure is only ever the kill's, and the canary sent in every prompt is in no log file of the
+platform (Ray's, Ray Serve's, the router's, vLLM's). The 10-minute run and its memory figures
+are in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.bench import soak
+from specserve.deploy import ray_session_dir
+from tests.conftest import MODEL, PUBLIC_KEY
+
+pytestmark = pytest.mark.slow
+
+DURATION_S = 120
+KILLED = "ngram"
+
+
+def test_a_short_soak_loses_nothing_but_the_kills_and_logs_no_prompt(live):
+    args = argparse.Namespace(
+        duration_s=DURATION_S,
+        rate=1.5,
+        max_concurrency=32,
+        stream_share=0.5,
+        max_tokens=16,
+        timeout_s=120,
+        kill_arm=KILLED,
+        kill_at=0.3,
+        max_rss_slope=soak.MAX_RSS_SLOPE_MIB_PER_MIN,
+        url=live.base_url,
+        api_key=PUBLIC_KEY,
+    )
+    try:
+        report = soak.run(args, model=MODEL, log_roots=[ray_session_dir()])
+    finally:
+        live.platform.wait_until_running(timeout_s=420)  # the killed engine is back
+    print(soak.markdown(report))
+    failed = sum(report["failed_by_cause"].values())
+    assert report["sent"] == report["completed"] + failed >= 0.8 * args.rate * DURATION_S
+    assert "hung" not in report["failed_by_cause"]
+    assert report["failed_unexplained"] == []
+    assert report["canary_in_logs"] == []
+    assert set(report["by_arm"]) == {"no-spec", KILLED}  # both arms served
+    assert report["streamed"] > 0 and report["streamed"] < report["sent"]
+    assert any(p["slope_mib_per_min"] is not None for p in report["processes"])

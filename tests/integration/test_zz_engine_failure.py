@@ -133,9 +133,11 @@ def kill_one_replica_under_load(live) -> None:
         else live.wait_for_metric(ENGINE_RETRIES + "_total", retries_before + 1, arm="no-spec")
     ) - retries_before
     print(f"{retries:.0f} replayed before their first byte")
-    # Only what was in flight on the killed replica may fail: at most the 6 in flight.
-    assert len(failed) + cut <= 6
-    assert failed == [] or set(failed) <= {"503"}
+    # A request that had received nothing is replayed on the live replica and served: none
+    # fails. Only a stream the killed replica had begun can end short (with an error event):
+    # with 6 in flight over 2 replicas and a third of them streams, one or two.
+    assert failed == [], failed
+    assert cut <= 2
     assert retries + cut >= 1  # something was in flight on the replica and was accounted for
     wait_for_replicas(APP, 2)
     print(f"replica replaced {time.monotonic() - killed_at:.0f} s after the kill")

@@ -398,3 +398,68 @@ def test_a_controller_read_that_hangs_times_out_and_its_age_shows(tmp_path, monk
         release.set()
     assert age_s > 0.5
     assert reads == 2  # the hanging read is waited on again, never started twice
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
+    parsed_in = []
+    real_parse = dispatch_module.parse_body
+
+    def parse(raw):
+        parsed_in.append(threading.current_thread() is threading.main_thread())
+        return real_parse(raw)
+
+    monkeypatch.setattr(dispatch_module, "parse_body", parse)
+    big = {"model": MODEL, "prompt": "x" * (dispatch_module.PARSE_OFF_LOOP_BYTES + 1)}
+
+    async def main():
+        assert (await client.request())[0] == 200
+        assert (await client.request(body=big))[0] == 200
+
+    run(main())
+    assert parsed_in == [True, False]  # the small body on the loop, the large one in a thread
+
+
+def test_a_client_that_leaves_mid_answer_frees_the_arms_capacity_at_once(client):
+    """The proxy's routing notices the disconnect and ends the arm's call; the dispatch gives
+    the request's place at the arm back as that call returns."""
+
+    async def streaming_arm(scope, receive, send):
+        await receive()  # the body, replayed by the dispatch
+        start = {"type": "http.response.start", "status": 200}
+        start["headers"] = [
+            (b"content-type", b"text/event-stream"),
+            (headers.ARM.encode(), b"a"),
+        ]
+        await send(start)
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    client.dispatch.app = streaming_arm
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "stream": True}).encode()
+    request_headers = [(b"authorization", f"Bearer {PUBLIC_KEY}".encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
+    scope["headers"] = request_headers
+    left = asyncio.Event()
+    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+    async def receive():
+        message = next(messages, None)
+        if message is not None:
+            return message
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    async def main():
+        serving = asyncio.create_task(client.dispatch(scope, receive, send))
+        await asyncio.sleep(0.2)
+        state = client.dispatch.state
+        assert state.at_arm["a"] == 1
+        left.set()
+        await asyncio.wait_for(serving, 1)
+        assert state.at_arm["a"] == 0
+
+    run(main())

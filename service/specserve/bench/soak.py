@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import psutil
+from tqdm import tqdm
 
 from specserve import headers
 
@@ -190,16 +191,20 @@ async def drive(args: argparse.Namespace, model: str, canary: str, on_kill) -> l
         finally:
             slots.release()
 
+    progress = tqdm(total=round(args.duration_s), unit="s", desc="soak", leave=False)
     async with httpx.AsyncClient(
         base_url=args.url, headers=auth, timeout=args.timeout_s, limits=limits
     ) as client:
-        while time.monotonic() - started < args.duration_s:
+        while (elapsed := time.monotonic() - started) < args.duration_s:
+            progress.update(round(elapsed) - progress.n)
+            progress.set_postfix(sent=len(tasks), done=sum(t.done() for t in tasks))
             await asyncio.sleep(random.expovariate(args.rate))
             if kill_at is not None and time.monotonic() >= kill_at:
                 await asyncio.to_thread(on_kill)
                 kill_at = None
             await slots.acquire()  # arrivals wait while `max_concurrency` are in flight
             tasks.append(asyncio.get_running_loop().create_task(bounded()))
+        progress.close()
         return list(await asyncio.gather(*tasks))
 
 

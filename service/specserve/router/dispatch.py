@@ -307,13 +307,20 @@ class DispatchState:
         }
         await _send_json(send, 200 if body["ready"] else 503, body, [_request_id(scope)])
 
+    def _check_key(self, scope: Scope, admin_for: str | None = None) -> None:
+        """401 for a missing or wrong API key; 403 for a public key where `admin_for` (an admin
+        power) is asked for."""
+        identity = self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
+        if admin_for and identity is not None and not identity.admin:
+            raise admin_required(admin_for)
+
     async def pass_with_key(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Another `/v1/` route (the router application's `/v1/models`): with an API key, and
         not before the keys are known (fail closed)."""
         try:
             if not await self._deployed():
                 raise OpenAIError(503, "the router is starting; retry shortly", code="starting")
-            self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
+            self._check_key(scope)
         except OpenAIError as exc:
             await _send_error(send, exc, [_request_id(scope)])
             return
@@ -330,9 +337,7 @@ class DispatchState:
             await _send_error(send, not_found, [request_id])
             return
         try:
-            identity = self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
-            if identity is not None and not identity.admin:
-                raise admin_required("an arm's own routes")
+            self._check_key(scope, admin_for="an arm's own routes")
         except OpenAIError as exc:
             await _send_error(send, exc, [request_id])
             return
@@ -367,13 +372,14 @@ class DispatchState:
                         headers={headers.RETRY_AFTER: "1"},
                     )
                 # Who is asking, before anything of theirs is read.
-                identity = self._admit(scope, config)
-                raw = await _read_body(scope, receive, config.limits)
+                request_headers = _headers(scope)
+                identity = self._admit(request_headers, config)
+                raw = await _read_body(request_headers, receive, config.limits)
                 if len(raw) > PARSE_OFF_LOOP_BYTES:
                     data = await asyncio.to_thread(parse_body, raw)
                 else:
                     data = parse_body(raw)
-                record.arm = self._pick_arm(scope, data, loaded, record)
+                record.arm = self._pick_arm(request_headers, data, loaded, record)
                 extra.append((_ARM, record.arm.encode()))
                 if check_limits(data, config):  # given the configured token limit
                     raw = json.dumps(data).encode()
@@ -437,11 +443,10 @@ class DispatchState:
                 metrics.count_key_tokens(identity.name, record.output_tokens)
                 self.key_limits.spend_tokens(identity.name, record.output_tokens)
 
-    def _admit(self, scope: Scope, config: RouterConfig) -> Identity | None:
+    def _admit(self, request_headers: dict[str, str], config: RouterConfig) -> Identity | None:
         """The request's API key (401 without a valid one), the admin power it uses (403 for
         a public key) and its key's rate limits (429); None when no keys are configured."""
         assert self.metrics is not None
-        request_headers = _headers(scope)
         try:
             identity = self.keys.authenticate(request_headers.get(headers.AUTHORIZATION))
         except OpenAIError as exc:
@@ -489,11 +494,14 @@ class DispatchState:
             raise arm_overloaded(name, str(OVERLOAD_RETRY_AFTER_S))
 
     def _pick_arm(
-        self, scope: Scope, data: dict[str, Any], loaded: LoadedConfig, record: RequestRecord
+        self,
+        request_headers: dict[str, str],
+        data: dict[str, Any],
+        loaded: LoadedConfig,
+        record: RequestRecord,
     ) -> str:
         assert self.metrics is not None and self.guard is not None
         config = loaded.config
-        request_headers = _headers(scope)
         sticky_key = request_headers.get(config.routing.session_header.lower())
         if not sticky_key and config.routing.use_user_field and isinstance(data.get("user"), str):
             sticky_key = data["user"]
@@ -690,11 +698,13 @@ def _internal_error() -> OpenAIError:
     return OpenAIError(500, "Internal Server Error", type="server_error")
 
 
-async def _read_body(scope: Scope, receive: Receive, limits: LimitsConfig) -> bytes:
+async def _read_body(
+    request_headers: dict[str, str], receive: Receive, limits: LimitsConfig
+) -> bytes:
     """The whole request body, refused as soon as it is known to pass the size limit (413) or
     to arrive later than the deadline (408)."""
     max_body_bytes = limits.max_body_bytes
-    declared = _headers(scope).get("content-length", "")
+    declared = request_headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise body_too_large(int(declared), max_body_bytes)
     chunks, size = [], 0

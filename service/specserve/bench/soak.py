@@ -97,8 +97,16 @@ def platform_processes() -> list[psutil.Process]:
 
 
 def _process_name(process: psutil.Process) -> str:
+    """Its command line, and the arm whose engine replica it serves (vLLM's engine core and
+    workers run below the replica's process)."""
     try:
-        return " ".join(process.cmdline())[:80] or process.name()
+        name = " ".join(process.cmdline())[:80] or process.name()
+        for parent in process.parents():
+            replica = " ".join(parent.cmdline())
+            if "ServeReplica:arm-" in replica:
+                arm = replica.split("ServeReplica:arm-", 1)[1].split(":", 1)[0]
+                return f"{name} (arm {arm})"
+        return name
     except psutil.Error:
         return "?"
 

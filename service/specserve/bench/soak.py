@@ -97,16 +97,8 @@ def platform_processes() -> list[psutil.Process]:
 
 
 def _process_name(process: psutil.Process) -> str:
-    """Its command line, and the arm whose engine replica it serves (vLLM's engine core and
-    workers run below the replica's process)."""
     try:
-        name = " ".join(process.cmdline())[:80] or process.name()
-        for parent in process.parents():
-            replica = " ".join(parent.cmdline())
-            if "ServeReplica:arm-" in replica:
-                arm = replica.split("ServeReplica:arm-", 1)[1].split(":", 1)[0]
-                return f"{name} (arm {arm})"
-        return name
+        return " ".join(process.cmdline())[:80] or process.name()
     except psutil.Error:
         return "?"
 

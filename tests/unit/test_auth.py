@@ -71,9 +71,9 @@ def _time_per_call_ns(ring: KeyRing, key: str, calls: int) -> float:
 
 
 def test_a_wrong_key_sharing_a_long_prefix_is_not_slower_to_refuse(tmp_path):
-    """A comparison that stops at the first differing byte refuses a key that shares 83 of 84
-    characters with a real one later than a key that shares none: the timing attack of
-    CVE-2025-59425. Digests compared in full, against every key, take the same time."""
+    """A comparison that stops at the first differing byte refuses a key that is a real key
+    with one character added later than a key that shares nothing with any: the timing attack
+    of CVE-2025-59425. Digests compared in full, against every key, take the same time."""
     (tmp_path / "api").write_text("".join(f"k{i}={KEY}{i}\n" for i in range(20)))
     ring = KeyRing(str(tmp_path / "api"), None)
     near, far = KEY + "9x", "z" * len(KEY) + "9x"  # 85 characters each, like the real keys

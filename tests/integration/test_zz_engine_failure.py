@@ -11,11 +11,11 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 from ray import serve
 
 from specserve import headers
+from specserve.bench.soak import busy_replica_pid
 from specserve.config import load_config
 from specserve.metrics import ENGINE_RETRIES
 from tests.conftest import MODEL
@@ -42,22 +42,6 @@ def wait_for_replicas(app: str, n: int, timeout_s: float = 420) -> None:
     ):
         assert time.monotonic() < deadline, f"{app} not at {n} running replicas"
         time.sleep(2)
-
-
-def busy_replica_pid(app: str) -> int:
-    """The replica of `app` using the most CPU now: under load, one with requests in flight, so
-    that killing it hits them. (A replica's process title does not name the requests it
-    streams.)"""
-    replicas = [
-        p
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if f"ServeReplica:{app}:" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert replicas, f"no replica of {app} runs"
-    for p in replicas:
-        p.cpu_percent()  # starts the measuring interval
-    time.sleep(0.5)
-    return max(replicas, key=lambda p: p.cpu_percent()).pid
 
 
 def one_request(client: httpx.Client, i: int) -> str:

@@ -37,6 +37,7 @@ import psutil
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.serve_config import arm_app_name
 
 # A failure on the killed arm that started this long after the kill is still the kill's: the
 # router learns within about a second that the arm has no replica, Ray Serve within a few.
@@ -126,21 +127,28 @@ class MemorySampler(threading.Thread):
             self.stop.wait(RSS_SAMPLE_S)
 
 
-def kill_replica(arm: str) -> int:
-    """SIGKILL the engine replica of `arm` using the most CPU (the busy one)."""
+def busy_replica_pid(app: str) -> int:
+    """The engine replica of Serve application `app` on this machine using the most CPU now:
+    under load, one with requests in flight. (A replica's process title does not name the
+    requests it serves.)"""
     replicas = [
         p
         for p in psutil.process_iter(["pid", "cmdline"])
-        if f"ServeReplica:arm-{arm}:" in " ".join(p.info["cmdline"] or [])
+        if f"ServeReplica:{app}:" in " ".join(p.info["cmdline"] or [])
     ]
     if not replicas:
-        raise RuntimeError(f"no engine replica of arm {arm!r} runs on this machine")
+        raise RuntimeError(f"no replica of {app!r} runs on this machine")
     for p in replicas:
-        p.cpu_percent()
+        p.cpu_percent()  # starts the measuring interval
     time.sleep(0.5)
-    victim = max(replicas, key=lambda p: p.cpu_percent())
-    os.kill(victim.pid, signal.SIGKILL)
-    return victim.pid
+    return max(replicas, key=lambda p: p.cpu_percent()).pid
+
+
+def kill_replica(arm: str) -> int:
+    """SIGKILL the busy engine replica of `arm`."""
+    pid = busy_replica_pid(arm_app_name(arm))
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 async def one_request(

@@ -31,7 +31,7 @@ HEADER_NAME_PATTERN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")
 # Headers that cannot pin sessions, and why.
 UNSTICKY_HEADERS = {
     headers.REQUEST_ID: "differs on every request",
-    "authorization": "carries credentials, which the router must not keep as sticky keys",
+    headers.AUTHORIZATION: "carries credentials, which the router must not keep as sticky keys",
     "proxy-authorization": "carries credentials, which the router must not keep as sticky keys",
     "cookie": "carries credentials, which the router must not keep as sticky keys",
     "host": "is the same for every client",

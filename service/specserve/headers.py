@@ -10,6 +10,8 @@ CONFIG_REVISION = "x-specserve-config-revision"
 REQUEST_ID = "x-request-id"
 # Request: the client's API key, `Bearer KEY` (wire/auth.py); never passed on to an arm.
 AUTHORIZATION = "authorization"
+# Response: how to authenticate, on a 401 (`Bearer`).
+WWW_AUTHENTICATE = "www-authenticate"
 # Response: seconds to wait before retrying a 429/503 (overloaded arm, failed engine, draining).
 RETRY_AFTER = "retry-after"
 

@@ -23,15 +23,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.headers import RETRY_AFTER
+from specserve.headers import RETRY_AFTER, WWW_AUTHENTICATE
 from specserve.wire.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
-AUTHORIZATION = "authorization"
 BEARER = "bearer "
-# What a 401 tells the client to send (RFC 6750).
-WWW_AUTHENTICATE = "www-authenticate"
+# What a 401 tells the client to send (RFC 6750), in `WWW-Authenticate`.
 CHALLENGE = 'Bearer realm="specserve"'
 KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # A key shorter than this is refused: guessable within a rate limit's patience.

@@ -381,6 +381,7 @@ def _serve(config: Path | None) -> int:
     started = time.monotonic()
     try:
         platform = Platform(settings)
+        platform.preflight()  # at once: before Ray starts, before any signal handling
     except DeployError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import ray
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
+from specserve import versions
 from specserve.config import LoadedConfig, load_config
 from specserve.config_checks import check_engine_settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
@@ -77,9 +79,24 @@ class Platform:
         self.deploy(self.loaded)
         self.wait_until_running(timeout_s=timeout_s)
 
+    def preflight(self) -> None:
+        """What `specserve serve` checks before anything starts, each at once: that Ray and
+        vLLM are the versions its private hooks were written for, and, for a local cluster,
+        that its ports are free (another `specserve serve` on this machine holds them)."""
+        local = not self.settings.ray_address and not ray.is_initialized()
+        try:
+            versions.require(versions.RAY)
+            if local and _cpu_engines():  # the engines' fixes check the rest as they start
+                versions.require(versions.VLLM, private=False)
+        except versions.UnsupportedVersionError as exc:
+            raise DeployError(str(exc)) from None
+        if local:
+            check_ports_free(self.settings)
+
     def connect(self) -> None:
         """Check the config, prepare the model, start (or join) Ray and Ray Serve."""
         s = self.settings
+        self.preflight()
         check_engine_settings(
             self.loaded.config, source=str(self.config_path), engines_run_here=True
         )
@@ -252,6 +269,85 @@ def check_exposure(settings: Settings) -> None:
         "use every arm. Set SPECSERVE_API_KEYS_FILE (one key a line, `name=key`), serve on "
         "127.0.0.1, or set SPECSERVE_ALLOW_UNAUTHENTICATED=1 to serve openly anyway."
     )
+
+
+def _cpu_engines() -> bool:
+    """Whether engines started here run on vLLM's CPU platform, the one vllm_fixes.py patches."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def check_ports_free(settings: Settings) -> None:
+    """Refuse to start a local cluster whose ports are taken: Ray would start, fail to bind
+    them and end minutes later in "The current node timed out during startup"."""
+    wanted = {
+        "HTTP (SPECSERVE_PORT)": (settings.host, settings.port),
+        # Ray's metrics agent listens on every address.
+        "metrics (SPECSERVE_METRICS_PORT)": ("0.0.0.0", settings.metrics_port),
+    }
+    taken = [(what, host, port) for what, (host, port) in wanted.items() if port_in_use(host, port)]
+    if not taken:
+        return
+    lines = [f"{what} port {port} on {host} is in use{_holder(port)}" for what, host, port in taken]
+    clusters = _local_ray_clusters()
+    if clusters:
+        lines.append(f"a Ray cluster runs on this machine (GCS at {', '.join(clusters)})")
+    raise DeployError(
+        "specserve (or something else) already runs here: "
+        + "; ".join(lines)
+        + ". Stop it first (Ctrl-C or `kill -INT <pid>` of its `specserve serve`; `ray stop` "
+        "for a cluster started with `ray start`), or serve on other ports with "
+        "SPECSERVE_PORT and SPECSERVE_METRICS_PORT."
+    )
+
+
+def port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the servers that will bind it: a port left in TIME_WAIT by a stopped one is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _holder(port: int) -> str:
+    """`: by <process>`, the process listening on `port` and the `specserve serve` above it,
+    where this user may see them; else empty."""
+    try:
+        pids = {
+            c.pid
+            for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+        }
+    except (psutil.Error, OSError):
+        return ""
+    described = []
+    for pid in sorted(pids):
+        try:
+            process = psutil.Process(pid)
+            text = f"{process.name()} (pid {pid})"
+            for parent in process.parents():
+                cmdline = " ".join(parent.cmdline())
+                if "specserve" in cmdline and " serve" in cmdline:
+                    text += f", started by `{cmdline}` (pid {parent.pid})"
+                    break
+            described.append(text)
+        except psutil.Error:
+            continue
+    return f": by {'; '.join(described)}" if described else ""
+
+
+def _local_ray_clusters() -> list[str]:
+    from ray._private.services import find_gcs_addresses
+
+    try:
+        return sorted(find_gcs_addresses())
+    except Exception:  # found by reading `ps`: nothing to say if that fails
+        return []
 
 
 def local_cluster_processes() -> list[psutil.Process]:

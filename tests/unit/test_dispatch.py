@@ -463,3 +463,54 @@ def test_a_client_that_leaves_mid_answer_frees_the_arms_capacity_at_once(client)
         assert state.at_arm["a"] == 0
 
     run(main())
+
+
+USAGE_CHUNKS = [
+    # As the arm's front writes it (pydantic's compact JSON).
+    b'data: {"id":"c","choices":[],"usage":{"completion_tokens":7},'
+    b'"metrics":{"speculative_decoding":{"num_spec_steps":3}}}',
+    # Spaces and another key order: the same chunk.
+    b'data: {"usage": {"completion_tokens": 7}, "id": "c", '
+    b'"metrics": {"speculative_decoding": {"num_spec_steps": 3}}, "choices": [ ]}',
+    b'data:{"choices" : [], "usage" : {"completion_tokens" : 7}, '
+    b'"metrics" : {"speculative_decoding" : {"num_spec_steps" : 3}}}',
+]
+
+
+@pytest.mark.parametrize("usage_chunk", USAGE_CHUNKS)
+@pytest.mark.parametrize("client_wants_usage", [False, True])
+def test_the_usage_chunk_is_read_in_any_json_spelling(usage_chunk, client_wants_usage):
+    from specserve.router.dispatch import _Exchange
+    from specserve.router.record import RequestRecord
+
+    record = RequestRecord(endpoint="chat", arm="a")
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    exchange = _Exchange(
+        record, send, [], (b"x-request-id", b"r"), client_wants_usage=client_wants_usage
+    )
+    # A content chunk that talks about "usage" (and an empty list) is not the usage chunk.
+    content = b'data: {"choices":[{"delta":{"content":"\\"usage\\":{} \\"choices\\":[]"}}]}'
+    events = [content, usage_chunk, b"data: [DONE]"]
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"text/event-stream"), (headers.ARM.encode(), b"a")],
+    }
+
+    async def stream():
+        await exchange._send(start)
+        for i, event in enumerate(events):
+            body = event + b"\n\n"
+            await exchange._send(
+                {"type": "http.response.body", "body": body, "more_body": i < len(events) - 1}
+            )
+
+    asyncio.run(stream())
+    assert record.output_tokens == 7 and record.spec_decode == {"num_spec_steps": 3}
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert content in out and out.endswith(b"data: [DONE]\n\n")
+    assert (usage_chunk in out) == client_wants_usage  # dropped unless the client asked

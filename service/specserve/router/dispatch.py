@@ -107,6 +107,9 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
 _ERROR_EVENT = b'data: {"error"'
+# The usage chunk an arm ends its stream with: `usage` and no choices, whatever the JSON's
+# spacing or key order. The pattern only picks the events worth parsing.
+_MAYBE_USAGE = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
 def middlewares() -> list[Middleware]:
@@ -616,12 +619,30 @@ class _Exchange:
             return body
         kept = []
         for event in body.split(_SSE_EVENT_END):
-            if b'"usage"' in event and b'"choices":[]' in event:
-                self._read_usage(event.removeprefix(b"data: "))
+            payload = self._usage_chunk(event)
+            if payload is not None:
+                self.record.read_usage(payload.get("usage"), payload.get("metrics"))
                 if not self.client_wants_usage:
                     continue
             kept.append(event)
         return _SSE_EVENT_END.join(kept)
+
+    def _usage_chunk(self, event: bytes) -> dict[str, Any] | None:
+        """The payload of `event` if it is the usage chunk (`data: {...}` with `usage` and
+        empty `choices`), else None."""
+        if b'"usage"' not in event or not _MAYBE_USAGE.search(event):
+            return None
+        data = event.strip()
+        if not data.startswith(b"data:"):
+            return None
+        try:
+            payload = json.loads(data.removeprefix(b"data:"))
+        except ValueError:
+            logger.warning("unparseable usage from arm %s", self.record.arm)
+            return None
+        if isinstance(payload, dict) and payload.get("choices") == [] and "usage" in payload:
+            return payload
+        return None
 
     def _read_usage(self, value: bytes) -> None:
         try:

@@ -14,6 +14,17 @@ History: one immutable ConfigMap per revision (component `config-history`, named
 applied. A rollback writes a record's bytes back, so its revision (a hash of the bytes) returns
 with it.
 
+Field ownership: the chart's objects belong to Helm, which (Helm 4) applies them server-side
+under field manager `helm`. These commands write the fields they change by server-side apply
+under their own field manager, `specserve` (`FIELD_MANAGER`), with `force=true`, owning exactly
+`data.config.yaml` and the `specserve.io/revision` annotation of the live ConfigMap and, once an
+arm changed, `spec.serveConfigV2` of the RayService: they take those fields from Helm and from
+whoever else set them (a write that raced ours still fails, on the resourceVersion each apply
+carries). A later `helm upgrade` or `helm rollback` then meets those fields owned by `specserve`
+with other values and stops with a field conflict unless it runs with `--force-conflicts`, which
+gives them back to Helm (docs/kubernetes.md, docs/runbook.md). History records are created and
+annotated by plain writes; Helm never renders them.
+
 The decisions (which records to prune, which revision to roll back to, how arm applications
 merge into `serveConfigV2`) are plain functions; `Cluster` is the thin layer over the API.
 """
@@ -44,7 +55,10 @@ APPLIED_AT_ANNOTATION = "specserve.io/applied-at"
 CONFIG_KEY = "config.yaml"
 RAY_GROUP, RAY_VERSION, RAYSERVICES = "ray.io", "v1", "rayservices"
 DEFAULT_KEEP = 10
+# The field manager of every write, named in the objects' managedFields and in the conflict a
+# `helm upgrade` without --force-conflicts reports after an apply.
 FIELD_MANAGER = "specserve"
+APPLY_PATCH = "application/apply-patch+yaml"
 REQUEST_TIMEOUT_S = 30
 # A RayService's resourceVersion moves with every status update of the operator; a patch that
 # lost that race is read, merged and sent again this many times.
@@ -439,24 +453,39 @@ class Cluster:
             _content_type="application/merge-patch+json",
         )
 
+    def apply_configmap(self, body: dict[str, Any]) -> None:
+        """Server-side apply of the fields `body` names, taking them from other managers; a
+        `metadata.resourceVersion` in it is a precondition (a stale one raises `Conflict`)."""
+        self._call(
+            f"apply ConfigMap {body['metadata']['name']}",
+            self.core.patch_namespaced_config_map,
+            body["metadata"]["name"],
+            self.namespace,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY_PATCH,
+        )
+
     def delete_configmap(self, name: str) -> None:
         self._call(
             f"delete ConfigMap {name}", self.core.delete_namespaced_config_map, name, self.namespace
         )
 
-    def patch_rayservice(self, name: str, patch: dict[str, Any]) -> None:
-        """A JSON merge patch; a stale resourceVersion in it raises `Conflict`."""
+    def apply_rayservice(self, body: dict[str, Any]) -> None:
+        """As `apply_configmap`, for the RayService."""
         self._call(
-            f"patch RayService {name}",
+            f"apply RayService {body['metadata']['name']}",
             self.custom.patch_namespaced_custom_object,
             RAY_GROUP,
             RAY_VERSION,
             self.namespace,
             RAYSERVICES,
-            name,
-            patch,
+            body["metadata"]["name"],
+            body,
             field_manager=FIELD_MANAGER,
-            _content_type="application/merge-patch+json",
+            force=True,
+            _content_type=APPLY_PATCH,
         )
 
 
@@ -573,16 +602,18 @@ def _switch(
         cluster.create_configmap(body)
         by_revision[old_revision] = Record.from_configmap(body)
     if old_revision != new_revision:
-        cluster.patch_configmap(
-            live_name,
+        cluster.apply_configmap(
             {
-                # A precondition: a concurrent change of the live config fails this apply.
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
                 "metadata": {
+                    "name": live_name,
+                    # A precondition: a concurrent change of the live config fails this apply.
                     "resourceVersion": live["metadata"]["resourceVersion"],
                     "annotations": {REVISION_KEY: new_revision},
                 },
                 "data": {CONFIG_KEY: text},
-            },
+            }
         )
     applied_at = next_applied_at(now, by_revision.values())
     body = history_configmap(live_name, cluster.release, text, applied_at)
@@ -607,12 +638,14 @@ def _patch_arms(cluster: Cluster, config: RouterConfig, service: dict[str, Any])
         merged = merge_arm_applications(document, config)
         if not arm_changes(document, merged):
             return
-        patch = {
-            "metadata": {"resourceVersion": service["metadata"]["resourceVersion"]},
+        body = {
+            "apiVersion": f"{RAY_GROUP}/{RAY_VERSION}",
+            "kind": "RayService",
+            "metadata": {"name": name, "resourceVersion": service["metadata"]["resourceVersion"]},
             "spec": {"serveConfigV2": dump_serve_config(merged)},
         }
         try:
-            cluster.patch_rayservice(name, patch)
+            cluster.apply_rayservice(body)
             return
         except Conflict:
             if attempt == PATCH_ATTEMPTS - 1:

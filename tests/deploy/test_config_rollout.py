@@ -6,7 +6,8 @@ the API server that speaks its wire protocol for exactly the endpoints the comma
 (ConfigMaps: list by label, get, create, replace, merge patch, delete; RayServices: list, get,
 merge patch), with its errors, resourceVersions and the rules of immutable ConfigMaps. The cluster
 is seeded as the Helm chart creates it: the live config ConfigMap and the RayService whose
-serveConfigV2 is `serve_config()` of that config.
+serveConfigV2 is `serve_config()` of that config, applied server-side by manager `helm` as Helm 4
+installs them; the last test installs, upgrades and rolls back the chart's own render that way.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from kubernetes import config as kube_config
 from specserve.cli import main
 from specserve.config import parse_config, revision_of
 from specserve.serve_config import ROUTER_APP_NAME, serve_config
+from tests.deploy.conftest import generate
 from tests.deploy.kube_standin import CONFIGMAPS as configmaps
 from tests.deploy.kube_standin import RAYSERVICES as rayservices
-from tests.deploy.kube_standin import KubeStandin
+from tests.deploy.kube_standin import ApiError, KubeStandin
 
 NAMESPACE = "serving"
 RELEASE = "prod"
@@ -56,9 +58,40 @@ def labels(component: str | None = None, release: str = RELEASE) -> dict[str, st
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """The stand-in API server with the chart's objects, and a kubeconfig pointing at it."""
+def standin(tmp_path, monkeypatch):
+    """The stand-in API server, empty, and a kubeconfig pointing at it."""
     standin = KubeStandin().start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "standin", "cluster": {"server": standin.url}}],
+                "users": [{"name": "operator", "user": {"token": standin.token}}],
+                "contexts": [
+                    {
+                        "name": "standin",
+                        "context": {
+                            "cluster": "standin",
+                            "user": "operator",
+                            "namespace": NAMESPACE,
+                        },
+                    }
+                ],
+                "current-context": "standin",
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    yield standin
+    standin.stop()
+    assert standin.verbs <= RBAC, f"requests beyond the chart's Role: {standin.verbs - RBAC}"
+
+
+@pytest.fixture
+def cluster(standin):
+    """The stand-in with two releases' live ConfigMap and RayService, applied by `helm`."""
     for release, name in ((RELEASE, LIVE), ("staging", "staging-specserve-config")):
         standin.add(
             {
@@ -91,32 +124,7 @@ def cluster(tmp_path, monkeypatch):
                 },
             }
         )
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "standin", "cluster": {"server": standin.url}}],
-                "users": [{"name": "operator", "user": {"token": standin.token}}],
-                "contexts": [
-                    {
-                        "name": "standin",
-                        "context": {
-                            "cluster": "standin",
-                            "user": "operator",
-                            "namespace": NAMESPACE,
-                        },
-                    }
-                ],
-                "current-context": "standin",
-            }
-        )
-    )
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    yield standin
-    standin.stop()
-    assert standin.verbs <= RBAC, f"requests beyond the chart's Role: {standin.verbs - RBAC}"
+    return standin
 
 
 def specserve(*args: str) -> int:
@@ -366,7 +374,7 @@ def test_a_concurrent_change_of_the_live_config_fails_the_apply(cluster, tmp_pat
     cluster.after_request = someone_else_applies
     assert specserve("apply", write(tmp_path, "drafter.yaml", DRAFTER)) == 2
     assert re.search(
-        r"patch ConfigMap .*the object has been modified.*\(Conflict\)", capsys.readouterr().err
+        r"apply ConfigMap .*the object has been modified.*\(Conflict\)", capsys.readouterr().err
     )
     assert live_text(cluster) == WEIGHTS
 
@@ -390,3 +398,113 @@ def test_history_before_any_apply_says_the_live_config_is_unrecorded(cluster, ca
     assert specserve("rollback") == 2
     assert "no history records yet" in capsys.readouterr().err
     assert cluster.writes() == []
+
+
+# Helm 4 beside `config apply`: the chart rendered by the real Helm engine, applied as Helm does.
+
+SPECSERVE_FIELDS = {".data.config.yaml", ".metadata.annotations.specserve.io/revision"}
+
+
+def chart_objects(**values) -> list[dict]:
+    """The release's live ConfigMap and RayService as the chart renders them with `values`."""
+    merged = generate._merge(generate.profile_values("cpu"), values)
+    rendered = generate.objects(generate.render(merged, name=RELEASE, namespace=NAMESPACE))
+    found = [
+        o
+        for o in rendered
+        if o["kind"] == "RayService"
+        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router-config"
+    ]
+    assert [o["metadata"]["name"] for o in found] == [LIVE, SERVICE]
+    return [{**o, "metadata": {**o["metadata"], "namespace": NAMESPACE}} for o in found]
+
+
+def helm(standin: KubeStandin, objects: list[dict], *, force_conflicts: bool = False) -> None:
+    """`helm install | upgrade | rollback` of Helm 4: every rendered object applied server-side,
+    whole, by field manager `helm`, with force only under `--force-conflicts`."""
+    for obj in objects:
+        standin.add(obj, manager="helm", force=force_conflicts)
+
+
+def test_helm_upgrade_and_rollback_beside_config_apply(standin, tmp_path, capsys):
+    """Install, `config apply`, `helm upgrade`, `helm rollback`, `config rollback`, `helm
+    rollback` again, each leaving the expected live config and Serve config.
+
+    What Helm 4 does (helm v4 source: pkg/cmd/upgrade.go, rollback.go, pkg/kube/client.go): it
+    installs with server-side apply; `upgrade` and `rollback` keep the release's apply method
+    (`--server-side=auto`) and apply every rendered object whole under field manager `helm`,
+    with `force` only when `--force-conflicts` is given (default false). So after `config apply`
+    a plain `helm upgrade` meets the fields `specserve` owns with other values and stops with a
+    409 field conflict; `--force-conflicts` hands them back to Helm, as the runbook says."""
+    config1 = yaml.safe_load(DEFAULT)
+    install = chart_objects()
+    helm(standin, install)
+    chart_text = live_text(standin)
+    chart_serve = serve_document(standin)
+    router = apps(chart_serve)[ROUTER_APP_NAME]
+    drafter = chart_text.replace("num_speculative_tokens: 1", "num_speculative_tokens: 3", 1)
+    assert parse_config(drafter).arms[2].speculative.num_speculative_tokens == 3
+
+    # config apply: a drafter change, so both the ConfigMap and serveConfigV2 change. Its
+    # fields are then owned by `specserve` through an apply, every other field still by Helm.
+    assert specserve("apply", write(tmp_path, "drafter.yaml", drafter)) == 0
+    assert "Ray Serve redeploys arm-eagle3\n" in capsys.readouterr().out
+    assert live_text(standin) == drafter
+    assert apps(serve_document(standin))[ROUTER_APP_NAME] == router
+    owners = standin.owners("configmaps", NAMESPACE, LIVE)
+    assert owners[("specserve", "Apply")] == SPECSERVE_FIELDS
+    assert not owners[("helm", "Apply")] & SPECSERVE_FIELDS
+    assert ".metadata.labels.app.kubernetes.io/component" in owners[("helm", "Apply")]
+    service_owners = standin.owners("rayservices", NAMESPACE, SERVICE)
+    assert service_owners[("specserve", "Apply")] == {".spec.serveConfigV2"}
+    assert {k for k in service_owners if k[0] == "specserve"} == {("specserve", "Apply")}
+
+    # helm upgrade (a new weight and router setting in the values): refused, as Helm 4 refuses
+    # it without --force-conflicts, naming the fields and their manager; nothing changes.
+    config2 = {
+        **config1,
+        "arms": [{**a, "weight": 10 * (i + 1)} for i, a in enumerate(config1["arms"])],
+    }
+    upgrade = chart_objects(config=config2, router={"configPollSeconds": 3.0})
+    with pytest.raises(ApiError) as refused:
+        helm(standin, upgrade)
+    status = refused.value.status()
+    assert (status["code"], status["reason"]) == (409, "Conflict")
+    assert {c["field"] for c in status["details"]["causes"]} == SPECSERVE_FIELDS
+    assert {c["message"] for c in status["details"]["causes"]} == {'conflict with "specserve"'}
+    assert status["message"].startswith("Apply failed with 2 conflicts: conflicts with")
+    assert live_text(standin) == drafter
+    # With --force-conflicts: the chart's new config and Serve config, all fields Helm's again.
+    helm(standin, upgrade, force_conflicts=True)
+    upgraded_text = live_text(standin)
+    assert parse_config(upgraded_text).arms[1].weight == 20
+    assert serve_document(standin) == yaml.safe_load(upgrade[1]["spec"]["serveConfigV2"])
+    assert apps(serve_document(standin))[ROUTER_APP_NAME]["args"]["config_poll_s"] == 3.0
+    for plural, name in (("configmaps", LIVE), ("rayservices", SERVICE)):
+        assert {k[0] for k in standin.owners(plural, NAMESPACE, name)} == {"helm"}
+
+    # helm rollback to the install: Helm owns every field, so no flag is needed.
+    helm(standin, install)
+    assert live_text(standin) == chart_text
+    assert serve_document(standin) == chart_serve
+
+    # config rollback: the revision applied before the live one (the chart's, recorded by the
+    # first apply) is live, so the drafter change returns, arms included.
+    assert specserve("rollback") == 0
+    out = capsys.readouterr().out
+    rev_chart, rev_drafter = revision_of(chart_text.encode()), revision_of(drafter.encode())
+    assert f"revision {rev_chart} -> {rev_drafter}" in out
+    assert live_text(standin) == drafter
+    eagle3 = apps(serve_document(standin))["arm-eagle3"]["args"]["arm"]["speculative"]
+    assert eagle3["num_speculative_tokens"] == 3
+    assert apps(serve_document(standin))[ROUTER_APP_NAME] == router
+    assert standin.owners("configmaps", NAMESPACE, LIVE)[("specserve", "Apply")] == (
+        SPECSERVE_FIELDS
+    )
+
+    # The runbook's emergency rollback: `helm rollback --force-conflicts` to the install.
+    with pytest.raises(ApiError):
+        helm(standin, install)
+    helm(standin, install, force_conflicts=True)
+    assert live_text(standin) == chart_text
+    assert serve_document(standin) == chart_serve

@@ -96,6 +96,15 @@ def prepare_model(source: str, *, force: bool = False) -> str:
     return str(out)
 
 
+def readable_by_all(directory: Path) -> None:
+    """Let every user read a prepared model: the image prepares it as root at build time and
+    serves it as uid 1000, and the safetensors writer leaves its file readable by its owner
+    only."""
+    directory.chmod(0o755)
+    for path in directory.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def _convert_gguf(name: str, out: Path) -> None:
     package, filename = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)
@@ -131,6 +140,7 @@ def _convert_gguf(name: str, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
         bar.update()
     (tmp / _READY_MARKER).write_text(json.dumps({"source": str(gguf)}))
+    readable_by_all(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     logger.info("prepared %s at %s", name, out)

@@ -30,11 +30,17 @@ serve: model
 drafters: model
 	$(BIN)/specserve drafter build --ship
 
+# Modules, and the tests in each, run in an order shuffled from SEED (pytest-randomly; the header
+# says `Using --randomly-seed=...`): `make test SEED=<seed>` replays an order, another seed tries
+# another. Tests marked own_cluster run first and disruptive ones last (tests/conftest.py).
+SEED    ?= 20261125
+PYTEST  := $(BIN)/pytest -p randomly -p no:cacheprovider --randomly-seed=$(SEED)
+
 test: model
-	$(BIN)/pytest -ra -v --durations=25
+	$(PYTEST) -ra -v --durations=25
 
 test-unit: install
-	$(BIN)/pytest -ra -m "not slow"
+	$(PYTEST) -ra -m "not slow"
 
 check: install
 	$(BIN)/ruff format --check service tests grafana helm

@@ -9,6 +9,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -133,10 +135,13 @@ def long_stream(max_tokens: int) -> dict:
 # and above Ray's worker ports (10002-19999): a port the kernel handed out would stay free only
 # until one of the many sockets Ray opens while starting took it, before the proxy binds it.
 TEST_PORTS = range(20000, 30000)
+# Not the `random` module's generator: pytest-randomly seeds that alike for every test, and two
+# tests' servers would be offered the same ports.
+_PORT_CHOICE = random.SystemRandom()
 
 
 def free_port() -> int:
-    for port in random.sample(TEST_PORTS, 50):
+    for port in _PORT_CHOICE.sample(TEST_PORTS, 50):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -329,6 +334,49 @@ def prometheus(live, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Where a test runs in the session. pytest-randomly shuffles the modules and the tests in each
+# (seeded, the seed printed in the header) in a hook wrapper, before this hook; the stable sort
+# here keeps the shuffled order within each group:
+# - `own_cluster` first: tests that start a Ray cluster (or a whole platform) of their own, before
+#   the session platform starts. A process connects to one Ray cluster at a time, and ending
+#   theirs must not end the platform's; on 2 cores two platforms would also slow each other down.
+# - `disruptive` last: tests that kill or redeploy the session platform's engines. Each restores
+#   the platform (with a deadline) when it ends; last, a restore that failed harms nothing else.
+FIRST, ANYWHERE, LAST = range(3)
+
+
+def run_phase(item: pytest.Item) -> int:
+    if item.get_closest_marker("own_cluster"):
+        return FIRST
+    if item.get_closest_marker("disruptive"):
+        return LAST
+    return ANYWHERE
+
+
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    items.sort(key=run_phase)
+
+
+@contextmanager
+def own_ray_cluster(**init_args) -> Iterator[None]:
+    """A local Ray cluster for one test (marked `own_cluster`), ended after it. Refused where
+    this process is connected to a cluster it did not start: ending ours would end that one."""
+    import ray
+
+    if ray.is_initialized():
+        pytest.fail(
+            "this process is already connected to a Ray cluster (the session platform's?); "
+            "a test that starts its own is marked `own_cluster` and runs before any other"
+        )
+    # "local": a new cluster even where another runs on this machine (`ray start` writes its
+    # address where a plain ray.init() would find and join it).
+    ray.init(address="local", **init_args)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 _session_exit_status = 0

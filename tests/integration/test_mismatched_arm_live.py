@@ -87,10 +87,13 @@ def exported_requests(prometheus, arm: str) -> float:
 def sessions_of(arm: str, weights: dict[str, float], n: int) -> list[str]:
     """Session keys the router's sticky hashing sends to `arm` while all arms run."""
     found: list[str] = []
-    while len(found) < n:
+    for _ in range(10_000 * n):  # an arm with a share of 1/10,000 would still be found
+        if len(found) == n:
+            break
         key = uuid.uuid4().hex
         if sticky_arm(key, weights) == arm:
             found.append(key)
+    assert len(found) == n, f"no sticky key found for {arm} with weights {weights}"
     return found
 
 

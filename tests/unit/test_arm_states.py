@@ -12,6 +12,9 @@ from ray.serve.api import RunTarget
 from specserve.router.arm_states import routable as _routable
 from specserve.router.arm_states import serve_applications as _serve_applications
 from specserve.router.arm_states import state as _state
+from tests.conftest import own_ray_cluster
+
+pytestmark = pytest.mark.own_cluster
 
 RELEASE = "release"  # named actor whose flag lets a blocked replica constructor finish
 
@@ -42,16 +45,13 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def serve_instance():
-    # A whole-suite run gets here with the integration tests' platform still connected.
-    ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
-    gate = Gate.options(name=RELEASE).remote()  # type: ignore[attr-defined]
-    try:
-        yield gate
-    finally:
-        ray.get(gate.release.remote())
-        serve.shutdown()
-        ray.shutdown()
+    with own_ray_cluster(num_cpus=2, include_dashboard=False):
+        gate = Gate.options(name=RELEASE).remote()  # type: ignore[attr-defined]
+        try:
+            yield gate
+        finally:
+            ray.get(gate.release.remote())
+            serve.shutdown()
 
 
 def _apps_when(condition, timeout_s: float = 60) -> dict:

@@ -216,10 +216,14 @@ def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     from specserve.serve_config import arm_application
 
     config = parse_config(BASE)
+    # Ray Serve LLM joins the Ray of this process to build the deployment, or starts a local one,
+    # which is ended after; one it did not start (the session platform's) is left running.
+    started_here = not ray.is_initialized()
     try:
         app = build_app(arm_application(config.arm("ngram"), config)["args"])
     finally:
-        ray.shutdown()  # Ray Serve LLM starts a local Ray to build the deployment
+        if started_here:
+            ray.shutdown()
     deployment = app._bound_deployment  # the LLMServer deployment with its engine config
     assert deployment.name == "arm-ngram"
 

@@ -3,10 +3,9 @@
 import time
 
 import pytest
-import ray
 
 from specserve import metrics as m
-from tests.conftest import free_port
+from tests.conftest import free_port, own_ray_cluster
 
 
 def test_accepted_per_position_from_the_acceptance_histogram():
@@ -21,11 +20,8 @@ def test_accepted_per_position_from_the_acceptance_histogram():
 def exporter():
     """A real one-CPU Ray node; its metrics agent exports what this process records."""
     port = free_port()
-    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
-    try:
+    with own_ray_cluster(num_cpus=1, include_dashboard=False, _metrics_export_port=port):
         yield f"http://127.0.0.1:{port}/metrics"
-    finally:
-        ray.shutdown()
 
 
 def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
@@ -48,6 +44,7 @@ OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REV
 OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, "le"}
 
 
+@pytest.mark.own_cluster
 def test_router_metrics_as_ray_exports_them(exporter):
     metrics = m.RouterMetrics("m1")
     metrics.set_active_config("rev1", {"a": 1, "b": 3})

@@ -6,7 +6,6 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
@@ -14,31 +13,30 @@ from ray.serve.schema import ServeDeploySchema
 from specserve.deploy import DeployError, Platform
 from specserve.serve_config import PROXY_HOOK_ENV, router_application
 from specserve.settings import Settings
-from tests.conftest import MODEL, free_port, render_config
+from tests.conftest import MODEL, free_port, own_ray_cluster, render_config
+
+pytestmark = pytest.mark.own_cluster
 
 
 @pytest.fixture
 def router_without_dispatch(tmp_path, monkeypatch):
-    # A whole-suite run gets here with the integration tests' platform still connected.
-    ray.shutdown()
     monkeypatch.delenv(PROXY_HOOK_ENV, raising=False)
     config = tmp_path / "config.yaml"
     config.write_text(render_config())
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        document = {"applications": [router_application(config_path=str(config))]}
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(document))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while not _healthy(base):  # the replica imports vLLM's request models as it starts
-            assert time.monotonic() < deadline, "the router application did not start"
-            time.sleep(0.5)
-        yield config, port, base
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with own_ray_cluster(num_cpus=2, include_dashboard=False):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            document = {"applications": [router_application(config_path=str(config))]}
+            _get_global_client().deploy_apps(ServeDeploySchema.model_validate(document))
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while not _healthy(base):  # the replica imports vLLM's request models as it starts
+                assert time.monotonic() < deadline, "the router application did not start"
+                time.sleep(0.5)
+            yield config, port, base
+        finally:
+            serve.shutdown()
 
 
 def _healthy(base: str) -> bool:

@@ -1,7 +1,8 @@
 """An engine-level change redeploys only the arm it touches: the platform hands Ray Serve the
 whole Serve config and Ray Serve finds the one application that changed, and the other arms
 serve on without dropping a request. The changed arm (`max_surge_percent: 100`) serves on too:
-its old engine answers until the new one runs. Runs last: it restarts an engine."""
+its old engine answers until the new one runs. Disruptive (it restarts an engine): it runs after
+the tests that use the platform, and puts k back whatever happens."""
 
 import pytest
 
@@ -10,7 +11,7 @@ from specserve.config import load_config
 from tests.conftest import MODEL, render_config
 from tests.integration.serving import replica_actors, steady_traffic
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.disruptive]
 
 
 def test_changing_k_redeploys_only_that_arm(live, restore_config):
@@ -18,6 +19,16 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     ngram_before = replica_actors("arm-ngram")
     assert no_spec_before and ngram_before
 
+    try:
+        redeploy_with_k2_under_traffic(live, no_spec_before, ngram_before)
+    finally:
+        # Put k back for anything that runs after, even after a failure.
+        live.write_config(render_config())
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=300)
+
+
+def redeploy_with_k2_under_traffic(live, no_spec_before: set, ngram_before: set) -> None:
     with steady_traffic(live, "no-spec") as other, steady_traffic(live, "ngram") as changed:
         live.write_config(render_config(k=2))
         live.platform.deploy(load_config(live.config_path))
@@ -39,7 +50,3 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     )
     assert r.status_code == 200, r.text
     assert r.json()["metrics"]["speculative_decoding"]["num_spec_tokens"] == 2
-    # Put k back for anything that runs after.
-    live.write_config(render_config())
-    live.platform.deploy(load_config(live.config_path))
-    live.platform.wait_until_running(timeout_s=300)

@@ -1,7 +1,7 @@
 """`specserve serve` (what `make serve` runs): prints where everything is, answers, and Ctrl-C
 or SIGTERM at any moment, start-up included, stops everything it started: within 15 s, or with
-requests in flight, after letting them finish (up to 10 s) and refusing new ones with 503. Runs
-before the shared platform starts (file order)."""
+requests in flight, after letting them finish (up to 10 s) and refusing new ones with 503. A
+whole platform of its own: it runs before the session platform starts (`own_cluster`)."""
 
 import os
 import signal
@@ -18,7 +18,7 @@ from specserve import headers
 from specserve.serve_config import ROUTER_DRAIN_S
 from tests.conftest import MODEL, free_port, long_stream, render_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 
 STOP_WITHIN_S = 15
 # With requests in flight: the router's drain, then the same 10 s to stop (as the issue's

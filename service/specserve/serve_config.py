@@ -28,11 +28,23 @@ ROUTER_DEPLOYMENT_NAME = "router"
 DRAINING = "draining"
 
 
+# The router replica reserves no Ray CPU: it only answers /ready, /v1/models and /openapi.json
+# (requests are routed in the HTTP proxies), and on Kubernetes it may land on the head, which
+# offers Ray no CPUs so that no engine lands there.
+ROUTER_NUM_CPUS = 0
+
+
+def router_deployment() -> dict[str, Any]:
+    """The router deployment's options in the Serve config."""
+    return {"name": ROUTER_DEPLOYMENT_NAME, "ray_actor_options": {"num_cpus": ROUTER_NUM_CPUS}}
+
+
 def draining_router(app: dict[str, Any]) -> dict[str, Any]:
-    """The router application of a Serve config, switched to draining."""
+    """The router application of a Serve config, switched to draining. Only `user_config`
+    changes: Ray Serve applies it to the running replicas (other options would restart them)."""
     return {
         **app,
-        "deployments": [{"name": ROUTER_DEPLOYMENT_NAME, "user_config": {DRAINING: True}}],
+        "deployments": [{**router_deployment(), "user_config": {DRAINING: True}}],
     }
 
 
@@ -55,6 +67,20 @@ MOUNTED_KEYS_DIR = "/etc/specserve/keys"
 API_KEYS_FILE = "api-keys"
 ADMIN_KEYS_FILE = "admin-keys"
 HTTP_PORT = 8000
+
+
+# The keys of the router application's args, which the router's builder (router/ingress.py)
+# and the dispatch in every proxy (router/dispatch.py) read. The chart's
+# specserve.serveConfig template writes the same keys (tests/deploy compare the two documents).
+CONFIG_PATH_ARG = "config_path"
+CONFIG_POLL_S_ARG = "config_poll_s"
+ROUTER_REPLICAS_ARG = "replicas"
+API_KEYS_FILE_ARG = "api_keys_file"
+ADMIN_KEYS_FILE_ARG = "admin_keys_file"
+# The keys of an arm application's args, which the arm's builder (engine/arm.py) reads.
+MODEL_ARG = "model"
+ARM_ARG = "arm"
+EXPOSE_HTTP_ARG = "expose_http"
 
 
 def app_status_text(app_status: Any) -> str:
@@ -82,19 +108,20 @@ def router_application(
     """The router application; the dispatch in every proxy reads these args. With no keys
     files, requests are served without API keys."""
     args: dict[str, Any] = {
-        "config_path": config_path,
-        "config_poll_s": config_poll_s,
-        "replicas": replicas,
+        CONFIG_PATH_ARG: config_path,
+        CONFIG_POLL_S_ARG: config_poll_s,
+        ROUTER_REPLICAS_ARG: replicas,
     }
     if api_keys_file is not None:
-        args["api_keys_file"] = api_keys_file
+        args[API_KEYS_FILE_ARG] = api_keys_file
     if admin_keys_file is not None:
-        args["admin_keys_file"] = admin_keys_file
+        args[ADMIN_KEYS_FILE_ARG] = admin_keys_file
     return {
         "name": ROUTER_APP_NAME,
         "route_prefix": "/",
         "import_path": ROUTER_BUILDER,
         "args": args,
+        "deployments": [router_deployment()],
     }
 
 
@@ -102,11 +129,11 @@ def arm_application(
     arm: ArmConfig, config: RouterConfig, *, expose_http: bool = False
 ) -> dict[str, Any]:
     args: dict[str, Any] = {
-        "model": config.model.model_dump(mode="json", exclude_unset=True),
-        "arm": arm.engine_args(),
+        MODEL_ARG: config.model.model_dump(mode="json", exclude_unset=True),
+        ARM_ARG: arm.engine_args(),
     }
     if expose_http:
-        args["expose_http"] = True
+        args[EXPOSE_HTTP_ARG] = True
     app: dict[str, Any] = {
         "name": arm_app_name(arm.name),
         "route_prefix": ARM_ROUTE_PREFIX + arm.name,

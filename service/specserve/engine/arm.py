@@ -18,7 +18,7 @@ from specserve.config import ArmEngineConfig, ModelConfig
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
-from specserve.serve_config import arm_app_name
+from specserve.serve_config import ARM_ARG, EXPOSE_HTTP_ARG, MODEL_ARG, arm_app_name
 from specserve.wire.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 
 # Engine defaults for every arm; the arm's own `engine` settings win.
@@ -43,6 +43,17 @@ def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
             "retry_after_s": OVERLOAD_RETRY_AFTER_S,
         },
     }
+
+
+# Every device of one engine (tensor parallel 4 on a GB200 tray) on one node: Ray Serve LLM's
+# default, PACK, places what does not fit on another node, where the GPUs share no NVLink.
+PLACEMENT_STRATEGY = "STRICT_PACK"
+# One bundle per tensor parallel worker, as Ray Serve LLM's default for each accelerator.
+WORKER_BUNDLE = {"gpu": {"GPU": 1}, "cpu": {"CPU": 1}}
+
+
+def placement_group_config(model: ModelConfig) -> dict[str, Any]:
+    return {"bundle_per_worker": WORKER_BUNDLE[model.accelerator], "strategy": PLACEMENT_STRATEGY}
 
 
 def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
@@ -75,6 +86,7 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
         engine_kwargs=engine_kwargs,
         runtime_env={"env_vars": dict(arm.env)} if arm.env else None,
         accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
+        placement_group_config=placement_group_config(model),
         deployment_config=deployment_config(arm),
         # Pass stream chunks through one by one instead of batching them every 50 ms.
         experimental_configs={"stream_batching_interval_ms": 0},
@@ -85,12 +97,12 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder (`import_path` of an arm in the Serve config): plain args
     `{model, arm, expose_http?}` as `serve_config.arm_application` writes them."""
-    arm = ArmEngineConfig.model_validate(args["arm"])
-    model = ModelConfig.model_validate(args["model"])
+    arm = ArmEngineConfig.model_validate(args[ARM_ARG])
+    model = ModelConfig.model_validate(args[MODEL_ARG])
     return build_llm_deployment(
         build_llm_config(arm, model),
         override_serve_options={"name": arm_app_name(arm.name)},
         deployment_cls=serve.ingress()(ArmServer),
         # `expose_http`: the replica also serves vLLM's own OpenAI app, to clients too.
-        bind_kwargs={"arm": arm.name, "expose_vllm": bool(args.get("expose_http", False))},
+        bind_kwargs={"arm": arm.name, "expose_vllm": bool(args.get(EXPOSE_HTTP_ARG, False))},
     )

@@ -6,7 +6,9 @@
   (helm-python-sdk) for both profiles: objects both profiles share go to `base/`, the others to
   `overlays/cpu` and `overlays/gb200`, the monitoring custom resources to `components/monitoring`.
   They mount an API keys Secret the operator creates (`specserve-api-keys`) instead of the one
-  with random keys the chart creates.
+  with random keys the chart creates, and on GB200 a model-cache claim the operator creates
+  (`specserve-model-cache`, on the cluster's own ReadWriteMany class); each overlay sets the
+  image through its `images:` entry.
 
 tests/deploy checks that the committed files equal what this writes.
 """
@@ -26,15 +28,45 @@ CHART = ROOT / "helm" / "specserve"
 SCHEMA = CHART / "values.schema.json"
 K8S = ROOT / "k8s"
 PROFILES = {"cpu": [], "gb200": [CHART / "values-gb200.yaml"]}
+# What an install adds on the command line for the cluster's own things: GB200's model cache
+# needs a storage class that provides ReadWriteMany, and each cluster names its own.
+SITE_VALUES: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "gb200": {"modelCache": {"storageClassName": "shared-rwx"}},
+}
 # The release the plain manifests stand for: `specserve config ... --release specserve`.
 RELEASE, NAMESPACE = "specserve", "specserve"
 MONITORING = {"enabled": True}
+# kube-prometheus-stack's Prometheus selects monitors and rules by its release's name, as
+# installed in docs/kubernetes.md.
+MONITORING_LABELS = {"release": "kps"}
 MONITORING_KINDS = {"PodMonitor", "PrometheusRule"}
 # Helm's bookkeeping labels, which plain manifests do not carry.
 HELM_LABELS = {"helm.sh/chart": None, "app.kubernetes.io/managed-by": "kustomize"}
 # Plain manifests cannot draw random API keys as the chart does at install: they mount the Secret
 # the operator creates under the name the chart would give it (docs/kubernetes.md).
 API_KEYS_SECRET = f"{RELEASE}-api-keys"
+# Nor can they know the cluster's ReadWriteMany storage class: GB200's mount a claim the operator
+# creates, under the name the chart would give its own.
+MODEL_CACHE_CLAIM = f"{RELEASE}-model-cache"
+# What each overlay's kustomization says, above its fields: the objects the operator provides.
+OVERLAY_NOTES = {
+    "cpu": """\
+# Needs Secret specserve-api-keys (data keys api-keys, admin-keys): docs/kubernetes.md.
+# Image: an overlay of your own with `images:`, or in a copy of this directory
+#   kustomize edit set image ghcr.io/specserve/specserve=REGISTRY/specserve:0.1.0-cpu
+""",
+    "gb200": """\
+# Needs, in the namespace (docs/kubernetes.md, "Without Helm"):
+# - Secret specserve-api-keys (data keys api-keys, admin-keys);
+# - Secret hf-token, the Hugging Face token the engines download the weights with:
+#     kubectl -n specserve create secret generic hf-token --from-literal=token=hf_...
+# - PersistentVolumeClaim specserve-model-cache: ReadWriteMany, on a storage class that
+#   provides it and lets uid 1000 write.
+# Image: an overlay of your own with `images:`, or in a copy of this directory
+#   kustomize edit set image ghcr.io/specserve/specserve=REGISTRY/specserve:0.1.0-gpu
+""",
+}
 
 
 def values_schema() -> dict[str, Any]:
@@ -57,18 +89,20 @@ def profile_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for path in PROFILES[profile]:
         values = _merge(values, yaml.safe_load(path.read_text()))
+    values = _merge(values, SITE_VALUES[profile])
     if monitoring:
-        values = _merge(
-            values,
-            {"monitoring": {"podMonitor": MONITORING, "prometheusRule": MONITORING}},
-        )
+        monitors = {"podMonitor": MONITORING, "prometheusRule": MONITORING}
+        values = _merge(values, {"monitoring": {**monitors, "labels": MONITORING_LABELS}})
     return values
 
 
 def manifest_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
     """The values k8s/ is rendered with: the profile's, with the operator's API keys Secret."""
     values = profile_values(profile, monitoring=monitoring)
-    return _merge(values, {"apiKeys": {"existingSecret": API_KEYS_SECRET}})
+    values = _merge(values, {"apiKeys": {"existingSecret": API_KEYS_SECRET}})
+    if values.get("modelCache", {}).get("enabled"):
+        values = _merge(values, {"modelCache": {"existingClaim": MODEL_CACHE_CLAIM}})
+    return values
 
 
 def render(values: dict[str, Any], *, name: str = RELEASE, namespace: str = NAMESPACE) -> dict:
@@ -122,23 +156,38 @@ def k8s_files() -> dict[Path, str]:
     shared = sorted(k for k in cpu.keys() & gb200.keys() if cpu[k] == gb200[k])
     files: dict[Path, str] = {}
 
-    def write(directory: str, objs: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    def write(
+        directory: str, objs: list[dict[str, Any]], extra: dict[str, Any], notes: str = ""
+    ) -> None:
         names = []
         for obj in objs:
             name = f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
             files[Path(directory) / name] = _dump(obj)
             names.append(name)
         kustomization = {**extra, "resources": [*extra.get("resources", []), *names]}
-        files[Path(directory) / "kustomization.yaml"] = _HEADER + _dump(kustomization)
+        files[Path(directory) / "kustomization.yaml"] = _HEADER + notes + _dump(kustomization)
 
     base = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
     write("base", [cpu[k] for k in shared], base)
     for profile, objs in by_profile.items():
         own = [obj for k, obj in sorted(objs.items()) if k not in shared]
-        write(f"overlays/{profile}", own, {**base, "resources": ["../../base"]})
+        overlay = {**base, "resources": ["../../base"], "images": [_image_entry(objs)]}
+        write(f"overlays/{profile}", own, overlay, OVERLAY_NOTES[profile])
     component = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component"}
     write("components/monitoring", monitoring, component)
     return files
+
+
+def _image_entry(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
+    """The overlay's `images:` entry for the image of its Ray pods: the chart's own, which
+    `kustomize edit set image` or an overlay on top replaces."""
+    (service,) = [obj for (kind, _), obj in objs.items() if kind == "RayService"]
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+    (image,) = images
+    name, tag = image.rsplit(":", 1)
+    return {"name": name, "newName": name, "newTag": tag}
 
 
 def main() -> int:

@@ -82,6 +82,40 @@ the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers 
 {{- fail "apiKeys.enabled: false serves every route, the engines included, to anyone who reaches port 8000; set apiKeys.allowUnauthenticated: true as well to mean it" }}
 {{- end }}
 {{- end }}
+{{- /* KubeRay appends 6 characters to a RayService's name for its RayCluster and refuses a
+RayService name over 47 characters, or one that is no DNS-1035 label. */}}
+{{- $fullname := include "specserve.fullname" . }}
+{{- if gt (len $fullname) 47 }}
+{{- fail (printf "release name: the RayService would be named %q, %d characters; KubeRay accepts at most 47 (it appends 6 for its RayCluster): choose a shorter release name or set fullnameOverride" $fullname (len $fullname)) }}
+{{- end }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $fullname) }}
+{{- fail (printf "release name: the RayService would be named %q; KubeRay wants a DNS-1035 label (a lower-case letter first, then letters, digits and '-'): choose another release name or set fullnameOverride" $fullname) }}
+{{- end }}
+{{- /* The operator's version cannot be read from the cluster (.Capabilities knows API groups,
+not operator versions): the values say it, and the chart's annotation says the oldest it works with. */}}
+{{- $minimum := index .Chart.Annotations "specserve.io/kuberay-min-version" }}
+{{- if not (semverCompare (printf ">=%s-0" $minimum) .Values.kuberay.version) }}
+{{- fail (printf "kuberay.version: %s is older than KubeRay %s, the oldest this chart works with (authOptions, Ray's token auth, needs 1.5.1 and older operators drop it; the serve Service's own port needs 1.6): upgrade the KubeRay operator and set kuberay.version to its version" .Values.kuberay.version $minimum) }}
+{{- end }}
+{{- include "specserve.validateModelCache" . }}
+{{- range $i, $group := prepend .Values.workerGroups .Values.head }}
+{{- $key := ternary "head" (printf "workerGroups[%d]" (sub $i 1)) (eq $i 0) }}
+{{- with $group.shmSizeLimit }}
+{{- $store := get $group.rayStartParams "object-store-memory" }}
+{{- if not $store }}
+{{- fail (printf "%s.rayStartParams.object-store-memory: unset, Ray's object store takes 30%% of the pod's memory, more than /dev/shm (%s.shmSizeLimit %s) holds: set it in bytes below the limit" $key $key .) }}
+{{- end }}
+{{- if not (regexMatch "^[0-9]+$" $store) }}
+{{- fail (printf "%s.rayStartParams.object-store-memory: %q is no number of bytes" $key $store) }}
+{{- end }}
+{{- if ge (int64 $store) (int64 (include "specserve.bytes" (dict "quantity" . "key" (printf "%s.shmSizeLimit" $key)))) }}
+{{- fail (printf "%s.rayStartParams.object-store-memory: %s bytes do not fit in /dev/shm (%s.shmSizeLimit %s): set it below the limit" $key $store $key .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if gt (int .Values.drain.stopSeconds) (int .Values.drain.marginSeconds) }}
+{{- fail "drain.stopSeconds: more than drain.marginSeconds, so the drain would end before the longest request may; raise drain.marginSeconds" }}
+{{- end }}
 {{- if .Values.networkPolicy.enabled }}
 {{- range .Values.networkPolicy.apiFrom }}
 {{- if has . $.Values.networkPolicy.operatorFrom }}
@@ -89,6 +123,44 @@ the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers 
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The model cache: a claim every engine pod mounts (the head does no model work). */}}
+{{- define "specserve.validateModelCache" -}}
+{{- with .Values.modelCache }}
+{{- if .enabled }}
+{{- if and (has "ReadWriteMany" .accessModes) (not .existingClaim) (not .storageClassName) }}
+{{- fail "modelCache.storageClassName: a ReadWriteMany claim needs a storage class that provides ReadWriteMany (NFS, CephFS, Amazon EFS, Filestore, Azure Files, ...); the usual default classes are block storage and leave the claim Pending. Name such a class, or mount a claim of your own with modelCache.existingClaim (docs/kubernetes.md)" }}
+{{- end }}
+{{- $pods := 0 }}
+{{- range $.Values.workerGroups }}
+{{- $pods = add $pods (default .replicas .maxReplicas) }}
+{{- end }}
+{{- if and (gt (int $pods) 1) (not (has "ReadWriteMany" .accessModes)) (not (has "ReadOnlyMany" .accessModes)) }}
+{{- fail (printf "modelCache.accessModes: %s attaches the volume to one node, but %d engine pods mount it (the worker groups' maxReplicas), which gives Multi-Attach errors: use [ReadWriteMany] with a modelCache.storageClassName that provides it, or a single engine pod (with modelCache.existingClaim, give the claim's own access modes)" (join "," .accessModes) (int $pods)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A Kubernetes quantity (`2Gi`, `64G`, `1073741824`) in bytes. Args: quantity, key (named when
+it cannot be read). */}}
+{{- define "specserve.bytes" -}}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 }}
+{{- $quantity := toString .quantity }}
+{{- $number := regexFind "^[0-9]+" $quantity }}
+{{- $unit := trimPrefix $number $quantity }}
+{{- if or (not $number) (not (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is no whole quantity the chart reads (e.g. 2Gi, 512Mi, 64G)" .key $quantity) }}
+{{- end }}
+{{- mul (int64 $number) (get $units $unit) }}
+{{- end }}
+
+{{/* The seconds kubelet gives a stopping Ray pod: the longest request (config.limits.
+request_timeout_s, 600 when unset as in config.py) plus drain.marginSeconds. */}}
+{{- define "specserve.gracePeriodSeconds" -}}
+{{- $timeout := dig "limits" "request_timeout_s" 600 .Values.config }}
+{{- add (int (ceil (float64 $timeout))) .Values.drain.marginSeconds }}
 {{- end }}
 
 {{/* The image of every Ray pod: the GPU or CPU build, as the model's accelerator says. */}}
@@ -107,7 +179,10 @@ every HTTP proxy reads them and re-reads them when kubelet updates the mount. */
 {{- $_ := set $routerArgs "api_keys_file" "/etc/specserve/keys/api-keys" }}
 {{- $_ := set $routerArgs "admin_keys_file" "/etc/specserve/keys/admin-keys" }}
 {{- end }}
-{{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs }}
+{{- /* The router replica asks for no CPU (serve_config.py's ROUTER_NUM_CPUS): it only answers
+/ready, /v1/models and /openapi.json, and the head, where it may land, offers no CPUs. */}}
+{{- $routerDeployment := dict "name" "router" "ray_actor_options" (dict "num_cpus" 0) }}
+{{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs "deployments" (list $routerDeployment) }}
 {{- $apps := list $router }}
 {{- range .Values.config.arms }}
 {{- $args := dict "model" $.Values.config.model "arm" (omit . "weight" "replicas" "max_ongoing_requests" "max_queued_requests" "max_surge_percent") }}
@@ -151,7 +226,7 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
     secretName: {{ include "specserve.apiKeysSecretName" .root }}
 {{- end }}
 {{- with .root.Values.modelCache }}
-{{- if .enabled }}
+{{- if and .enabled $.engines }}
 - name: model-cache
   persistentVolumeClaim:
     claimName: {{ default (printf "%s-model-cache" (include "specserve.fullname" $.root)) .existingClaim }}
@@ -159,7 +234,9 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 {{- end }}
 {{- end }}
 
+{{/* Args: root, engines (a worker pod: engines run there and mount the model cache). */}}
 {{- define "specserve.volumeMounts" -}}
+{{- with .root }}
 - name: tmp
   mountPath: /tmp
 - name: home
@@ -174,40 +251,62 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
   mountPath: /etc/specserve/keys
   readOnly: true
 {{- end }}
-{{- if .Values.modelCache.enabled }}
+{{- end }}
+{{- include "specserve.modelCacheMount" . }}
+{{- end }}
+
+{{- define "specserve.modelCacheMount" -}}
+{{- if and .root.Values.modelCache.enabled .engines }}
 - name: model-cache
-  mountPath: {{ .Values.modelCache.mountPath }}
+  mountPath: {{ .root.Values.modelCache.mountPath }}
 {{- end }}
 {{- end }}
 
+{{/* Hugging Face's cache directory, in a subdirectory of the model cache. */}}
+{{- define "specserve.hfHome" -}}
+{{- printf "%s/huggingface" .Values.modelCache.mountPath }}
+{{- end }}
+
+{{/* Args: root, engines. The model's settings (cache, hub token) only where engines run. */}}
 {{- define "specserve.env" -}}
+{{- $root := .root }}
+{{- $engines := .engines }}
+{{- with .root }}
 - name: SPECSERVE_CONFIG
   value: /etc/specserve/config.yaml
 # The HTTP proxy of every Ray node loads specserve's dispatch, which routes inference requests
 # straight to the chosen arm's replicas.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: specserve.router.dispatch:middlewares
-{{- if .Values.modelCache.enabled }}
+{{- if and .Values.modelCache.enabled $engines }}
 - name: HF_HOME
-  value: {{ printf "%s/huggingface" .Values.modelCache.mountPath }}
+  value: {{ include "specserve.hfHome" . }}
 {{- end }}
+{{- if $engines }}
 {{- with .Values.huggingFaceToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ . }}
-      key: {{ $.Values.huggingFaceToken.secretKey }}
+      key: {{ $root.Values.huggingFaceToken.secretKey }}
+{{- end }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+{{- end }}
 
 {{/* One Ray pod (head or worker group): restricted Pod Security profile, the router config
-mounted, writable emptyDirs where Ray and vLLM write. Args: root, group, image, container. */}}
+mounted, writable emptyDirs where Ray and vLLM write, drained before it stops. Args: root, group,
+image, container. */}}
 {{- define "specserve.podSpec" -}}
 {{- $root := .root }}
 {{- $group := .group }}
+{{- /* Worker pods run the engines; the head runs no model work. */}}
+{{- $engines := ne .container "ray-head" }}
+{{- $model := dict "root" $root "engines" $engines }}
+{{- $grace := int (include "specserve.gracePeriodSeconds" $root) }}
 serviceAccountName: {{ include "specserve.serviceAccountName" $root }}
 automountServiceAccountToken: false
 {{- with $root.Values.imagePullSecrets }}
@@ -227,6 +326,32 @@ tolerations:
 {{- with $group.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+# Long enough for the longest request to finish after the preStop drain begins.
+terminationGracePeriodSeconds: {{ $grace }}
+{{- if and $root.Values.modelCache.enabled $engines }}
+# fsGroup does not apply on NFS-style volumes: check, as the pod's own user and without
+# privilege, that the engines can write the model cache, and say what to fix when they cannot.
+initContainers:
+  - name: model-cache-check
+    image: {{ .image }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    securityContext:
+      {{- toYaml $root.Values.securityContext | nindent 6 }}
+    command:
+      - sh
+      - -c
+      - >-
+        mkdir -p "$HF_HOME" && test -w "$HF_HOME" ||
+        { echo "uid $(id -u) cannot write HF_HOME=$HF_HOME on the model cache volume: let uid $(id -u) / gid $(id -g) write there (storage class parameters) (docs/kubernetes.md, Model cache)" >&2; exit 1; }
+    env:
+      - name: HF_HOME
+        value: {{ include "specserve.hfHome" $root }}
+    resources:
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {memory: 64Mi}
+    volumeMounts:
+      {{- include "specserve.modelCacheMount" $model | nindent 6 }}
 {{- end }}
 containers:
   - name: {{ .container }}
@@ -249,15 +374,21 @@ containers:
       - name: metrics
         containerPort: 8080
     env:
-      {{- include "specserve.env" $root | nindent 6 }}
+      {{- include "specserve.env" $model | nindent 6 }}
     resources:
       {{- toYaml $group.resources | nindent 6 }}
     {{- with $group.startupProbe }}
     startupProbe:
       {{- toYaml . | nindent 6 }}
     {{- end }}
+    # Ray Serve stops routing to this node and its requests finish before kubelet's SIGTERM,
+    # which follows the hook's return; drain.stopSeconds remain for Ray to stop.
+    lifecycle:
+      preStop:
+        exec:
+          command: [specserve, drain-node, --within-s, {{ sub $grace $root.Values.drain.stopSeconds | quote }}]
     volumeMounts:
-      {{- include "specserve.volumeMounts" $root | nindent 6 }}
+      {{- include "specserve.volumeMounts" $model | nindent 6 }}
 volumes:
-  {{- include "specserve.volumes" (dict "root" $root "group" $group) | nindent 2 }}
+  {{- include "specserve.volumes" (dict "root" $root "group" $group "engines" $engines) | nindent 2 }}
 {{- end }}

@@ -1,0 +1,328 @@
+"""What a review of the chart found, one check each: the GB200 model cache (a storage class that
+provides ReadWriteMany, writable by uid 1000, mounted only where engines run), the KubeRay version
+the RayService's fields need, upgrade strategies that work on a fixed pool of trays, engines kept
+off the head, tensor parallel groups kept inside one tray, the kustomize path (image, monitors,
+the Hugging Face token), shared memory that holds Ray's object store, probe timeouts, name
+lengths KubeRay accepts, and draining a Ray pod before it stops."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from typing import Any
+
+import pytest
+import yaml
+
+from specserve.serve_config import ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME, serve_config
+from tests.deploy.conftest import (
+    ROOT,
+    generate,
+    one,
+    pod_specs,
+    render_objects,
+    validate_all,
+)
+from tests.deploy.test_k8s import kustomize
+
+PROFILES = ("cpu", "gb200")
+GB200_FILE = generate.CHART / "values-gb200.yaml"
+NOTES = "specserve/templates/NOTES.txt"
+# Ray Serve LLM's engine replica on the CPU profile: one bundle of 2 CPUs (replica + engine).
+ENGINE_BUNDLE_CPUS = 2
+UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6}
+UNITS |= {"G": 10**9, "T": 10**12}
+
+
+def chart_values(profile: str) -> dict[str, Any]:
+    values = yaml.safe_load((generate.CHART / "values.yaml").read_text())
+    return generate._merge(values, generate.profile_values(profile))
+
+
+def refused(values: dict[str, Any], **kwargs: Any) -> str:
+    """The error Helm gives for values the chart must refuse."""
+    import helm_python as helm
+
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as info:
+        generate.render(values, **kwargs)
+    return str(info.value)
+
+
+def groups(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def to_bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"([0-9]+)([A-Za-z]*)", str(quantity)).groups()  # type: ignore[union-attr]
+    return int(number) * UNITS[unit]
+
+
+# 1. The GB200 model cache
+
+
+def test_a_read_write_many_cache_without_a_storage_class_is_refused_naming_the_key():
+    """The usual default classes (block storage) provide no ReadWriteMany: the claim would stay
+    Pending. values-gb200.yaml alone names no class, so the install says which key to set."""
+    gb200 = yaml.safe_load(GB200_FILE.read_text())
+    assert "modelCache.storageClassName" in refused(gb200)
+    # An existing claim is the operator's: no class needed.
+    objs = render_objects("gb200", modelCache={"storageClassName": "", "existingClaim": "weights"})
+    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for pod in pod_specs(objs)
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert claims == {"weights"}
+
+
+def test_the_model_cache_is_mounted_where_engines_run_only_and_checked_writable():
+    objs = render_objects("gb200")
+    head, *workers = pod_specs(objs)
+    assert "model-cache" not in {v["name"] for v in head["volumes"]}
+    assert "HF_HOME" not in {e["name"] for e in head["containers"][0]["env"]}
+    assert not head.get("initContainers")
+    for pod in workers:
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HOME"].startswith(chart_values("gb200")["modelCache"]["mountPath"] + "/")
+        # fsGroup does not apply on NFS-style volumes: a check as the pod's own user, without
+        # privilege, stops the pod with a message instead of a download failing deep in vLLM.
+        (check,) = pod["initContainers"]
+        assert check["securityContext"] == container["securityContext"]
+        assert "model-cache" in {m["name"] for m in check["volumeMounts"]}
+        assert "HF_HOME" in " ".join(check["command"])
+        assert {e["name"]: e.get("value") for e in check["env"]}["HF_HOME"] == env["HF_HOME"]
+    validate_all(objs)
+
+
+def test_a_read_write_once_cache_mounted_by_several_pods_is_refused():
+    """ReadWriteOnce attaches to one node: a second pod elsewhere waits on a Multi-Attach
+    error. The CPU profile's four engine pods cannot share it; one engine pod can."""
+    values = generate._merge(generate.profile_values("cpu"), {"modelCache": {"enabled": True}})
+    assert "modelCache.accessModes" in refused(values)
+    workers = chart_values("cpu")["workerGroups"]
+    one_pod = [{**workers[0], "replicas": 1, "minReplicas": 1, "maxReplicas": 1}]
+    objs = render_objects("cpu", modelCache={"enabled": True}, workerGroups=one_pod)
+    assert one(objs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+# 2. The KubeRay version
+
+
+def test_kuberay_older_than_the_charts_minimum_is_refused_and_the_minimum_is_stated():
+    chart = yaml.safe_load((generate.CHART / "Chart.yaml").read_text())
+    minimum = chart["annotations"]["specserve.io/kuberay-min-version"]
+    major, minor, patch = (int(p) for p in minimum.split("."))
+    # authOptions needs 1.5.1, the serve Service's own port 1.6.
+    assert (major, minor, patch) >= (1, 6, 0)
+    older = f"{major}.{minor - 1}.0"
+    message = refused(
+        generate._merge(generate.profile_values("cpu"), {"kuberay": {"version": older}})
+    )
+    assert "kuberay.version" in message and minimum in message
+    objs = render_objects("cpu", kuberay={"version": minimum})
+    assert one(objs, "RayService")["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    for text in (ROOT / "README.md", ROOT / "docs" / "kubernetes.md"):
+        assert f"KubeRay {minimum}" in text.read_text(), text
+    notes = generate.render(
+        generate._merge(generate.profile_values("cpu"), {"service": {"port": 9000}})
+    )
+    assert f"KubeRay {minimum}" in notes[NOTES]
+    # The serve Service listens on service.port (KubeRay 1.6+ keeps it).
+    assert "port-forward svc/specserve-api 8000:9000" in notes[NOTES]
+
+
+# 3. Upgrade strategy
+
+
+def test_gb200_upgrades_in_place_and_the_incremental_strategy_is_not_offered():
+    """A second full cluster needs twice the trays: on a fixed pool it stays Pending."""
+    spec = one(render_objects("gb200"), "RayService")["spec"]
+    assert spec["upgradeStrategy"] == {"type": "None"}
+    values = generate._merge(
+        generate.profile_values("cpu"),
+        {"ray": {"upgradeStrategy": "NewClusterWithIncrementalUpgrade"}},
+    )
+    assert "/ray/upgradeStrategy" in refused(values)
+    assert "upgradeStrategy: None" in (ROOT / "docs" / "kubernetes.md").read_text()
+
+
+# 4. Engines off the head
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_engine_fits_on_the_head_and_the_router_needs_no_cpu(profile):
+    objs = render_objects(profile)
+    head, *workers = groups(objs)
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert head["rayStartParams"].get("num-gpus", "0") == "0"
+    document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    (router,) = [app for app in document["applications"] if app["name"] == ROUTER_APP_NAME]
+    (deployment,) = router["deployments"]
+    assert deployment["name"] == ROUTER_DEPLOYMENT_NAME
+    assert deployment["ray_actor_options"] == {"num_cpus": 0}
+    if profile == "cpu":
+        arms = chart_values(profile)["config"]["arms"]
+        cpus = sum(int(g["rayStartParams"]["num-cpus"]) * g["replicas"] for g in workers)
+        assert cpus >= ENGINE_BUNDLE_CPUS * sum(a.get("replicas", 1) for a in arms)
+
+
+def test_draining_the_router_keeps_its_resources():
+    """A changed ray_actor_options restarts replicas: draining must change user_config only."""
+    from specserve.config import parse_config
+    from specserve.serve_config import draining_router
+
+    config = parse_config(yaml.safe_dump(chart_values("cpu")["config"]))
+    router = serve_config(config)["applications"][0]
+    (deployment,) = draining_router(router)["deployments"]
+    assert deployment["ray_actor_options"] == {"num_cpus": 0}
+    assert deployment["user_config"] == {"draining": True}
+
+
+# 5. Tensor parallel inside one tray
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_engines_placement_group_stays_on_one_node(profile):
+    from specserve.config import ArmEngineConfig, ModelConfig
+    from specserve.engine.arm import build_llm_config
+
+    config = chart_values(profile)["config"]
+    model = ModelConfig.model_validate(config["model"])
+    for arm in config["arms"]:
+        engine = ArmEngineConfig.model_validate({k: v for k, v in arm.items() if k != "weight"})
+        built = build_llm_config(engine, model).get_engine_config()
+        assert built.placement_strategy == "STRICT_PACK", arm["name"]
+        size = arm["engine"].get("tensor_parallel_size", 1)
+        device = "GPU" if config["model"]["accelerator"] == "gpu" else "CPU"
+        assert [set(b) for b in built.placement_bundles] == [{device}] * size
+
+
+# 6. The kustomize path
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_overlays_take_the_image_from_their_images_entry(profile, tmp_path):
+    overlay = yaml.safe_load(
+        (generate.K8S / "overlays" / profile / "kustomization.yaml").read_text()
+    )
+    repository = chart_values(profile)["image"]["repository"]
+    (entry,) = overlay["images"]
+    assert entry["name"] == repository and entry["newName"] == repository
+    assert entry["newTag"].endswith("-gpu" if profile == "gb200" else "-cpu")
+    # An overlay of the operator's own points it at their registry.
+    shutil.copytree(generate.K8S, tmp_path / "k8s")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    images = [{"name": repository, "newName": "registry.example/specserve", "newTag": "1.2.3"}]
+    (mine / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": [f"../k8s/overlays/{profile}"], "images": images})
+    )
+    (service,) = [o for o in kustomize(mine) if o["kind"] == "RayService"]
+    for group in groups([service]):
+        for container in group["template"]["spec"]["containers"]:
+            assert container["image"] == "registry.example/specserve:1.2.3"
+    assert "kustomize edit set image" in (ROOT / "README.md").read_text()
+
+
+def test_monitoring_component_carries_the_stack_release_label_and_no_namespace():
+    directory = generate.K8S / "components" / "monitoring"
+    for path in directory.glob("*.yaml"):
+        if path.name == "kustomization.yaml":
+            continue
+        obj = yaml.safe_load(path.read_text())
+        assert obj["metadata"]["labels"]["release"], path.name
+        assert "namespace" not in obj["metadata"], path.name
+        assert "namespaceSelector" not in obj.get("spec", {}), path.name
+
+
+def test_gb200_overlay_says_where_the_hugging_face_token_secret_comes_from():
+    text = (generate.K8S / "overlays" / "gb200" / "kustomization.yaml").read_text()
+    secret = chart_values("gb200")["huggingFaceToken"]["secretName"]
+    assert f"create secret generic {secret}" in text
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    kustomize_part = docs[docs.index("## Without Helm") :]
+    assert f"create secret generic {secret}" in kustomize_part
+
+
+# 7. Shared memory, probes, names, monitors
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_groups_object_store_fits_in_its_shared_memory(profile):
+    """Ray's default object store is 30% of the pod's memory, more than /dev/shm holds."""
+    values = chart_values(profile)
+    for group, settings in zip(
+        groups(render_objects(profile)), [values["head"], *values["workerGroups"]], strict=True
+    ):
+        store = int(group["rayStartParams"]["object-store-memory"])
+        assert 0 < store < to_bytes(settings["shmSizeLimit"])
+    head = {**values["head"]["rayStartParams"], "object-store-memory": str(2 * 2**30)}
+    overfull = generate._merge(generate.profile_values("cpu"), {"head": {"rayStartParams": head}})
+    assert "head.rayStartParams.object-store-memory" in refused(overfull)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_probes_wait_longer_than_their_commands_own_timeout(profile):
+    for pod in pod_specs(render_objects(profile)):
+        for container in pod["containers"]:
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                probe = container.get(kind)
+                if not probe or "exec" not in probe:
+                    continue
+                own = re.search(r"timeout=(\d+)", " ".join(probe["exec"]["command"]))
+                assert own, (kind, probe)
+                assert probe.get("timeoutSeconds", 1) > int(own.group(1)), (kind, probe)
+
+
+def test_names_longer_than_kuberay_accepts_are_refused():
+    """KubeRay appends 6 characters to a RayService's name for its RayCluster and refuses a
+    RayService name over 47 characters."""
+    values = generate.profile_values("cpu")
+    message = refused(values, name="a" * 48)
+    assert "47" in message and "fullnameOverride" in message
+    objs = render_objects("cpu", fullnameOverride="s" * 47)
+    assert len(one(objs, "RayService")["metadata"]["name"]) == 47
+    for obj in objs:
+        assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+    service = one(objs, "RayService")["spec"]["serveService"]["metadata"]["name"]
+    assert len(service) <= 63
+
+
+def test_notes_name_the_release_label_the_stacks_prometheus_selects():
+    off = generate.render(generate.profile_values("cpu"))[NOTES]
+    assert "monitoring.labels.release=" in off
+    on = {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
+    unlabelled = generate._merge(generate.profile_values("cpu"), {"monitoring": on})
+    assert "monitoring.labels.release" in generate.render(unlabelled)[NOTES]
+    labelled = generate._merge(unlabelled, {"monitoring": {"labels": {"release": "kps"}}})
+    assert "monitoring.labels.release" not in generate.render(labelled)[NOTES]
+
+
+# 8. Draining a Ray pod before it stops
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("timeout_s", [None, 100])
+def test_every_ray_pod_drains_before_kubelet_stops_it(profile, timeout_s):
+    values = chart_values(profile)
+    config = values["config"]
+    if timeout_s is not None:
+        config = {**config, "limits": {**config["limits"], "request_timeout_s": timeout_s}}
+    objs = render_objects(profile, config=config)
+    request_timeout_s = config["limits"]["request_timeout_s"]
+    margin = values["drain"]["marginSeconds"]
+    spec = one(objs, "RayService")["spec"]
+    for pod in pod_specs(objs):
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace >= request_timeout_s + margin
+        assert spec["rayClusterDeletionDelaySeconds"] >= grace
+        for container in pod["containers"]:
+            command = container["lifecycle"]["preStop"]["exec"]["command"]
+            assert command[:3] == ["specserve", "drain-node", "--within-s"]
+            within = int(command[3])
+            assert request_timeout_s <= within < grace
+    validate_all(objs)

@@ -326,3 +326,33 @@ def test_every_ray_pod_drains_before_kubelet_stops_it(profile, timeout_s):
             within = int(command[3])
             assert request_timeout_s <= within < grace
     validate_all(objs)
+
+
+# More of the same kind
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_fs_group_is_applied_once_not_on_every_mount(profile):
+    """kubelet walks every file of a volume that supports fsGroup on each mount unless told to
+    stop at a root that already matches: a 600 GB cache would delay every pod start."""
+    for pod in pod_specs(render_objects(profile)):
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+def test_the_ingress_waits_as_long_as_a_request_may_run_and_streams_unbuffered():
+    """ingress-nginx (the controller the network policy admits by default) cuts a response
+    after 60 s without data and buffers it: a long stream or request would end early."""
+    limits = {**chart_values("cpu")["config"]["limits"], "request_timeout_s": 900}
+    config = {**chart_values("cpu")["config"], "limits": limits}
+    ingress = {"enabled": True, "hosts": [{"host": "llm.example.com"}]}
+    annotations = one(render_objects("cpu", config=config, ingress=ingress), "Ingress")["metadata"][
+        "annotations"
+    ]
+    prefix = "nginx.ingress.kubernetes.io/"
+    assert int(annotations[prefix + "proxy-read-timeout"]) >= 900
+    assert int(annotations[prefix + "proxy-send-timeout"]) >= 900
+    assert annotations[prefix + "proxy-buffering"] == "off"
+    # The operator's own annotations win.
+    mine = {**ingress, "annotations": {prefix + "proxy-read-timeout": "3600"}}
+    objs = render_objects("cpu", config=config, ingress=mine)
+    assert one(objs, "Ingress")["metadata"]["annotations"][prefix + "proxy-read-timeout"] == "3600"

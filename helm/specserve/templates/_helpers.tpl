@@ -156,11 +156,15 @@ it cannot be read). */}}
 {{- mul (int64 $number) (get $units $unit) }}
 {{- end }}
 
-{{/* The seconds kubelet gives a stopping Ray pod: the longest request (config.limits.
-request_timeout_s, 600 when unset as in config.py) plus drain.marginSeconds. */}}
+{{/* The longest a request may run, in whole seconds: config.limits.request_timeout_s (600 when
+unset, as in config.py). */}}
+{{- define "specserve.requestTimeoutSeconds" -}}
+{{- int (ceil (float64 (dig "limits" "request_timeout_s" 600 .Values.config))) }}
+{{- end }}
+
+{{/* The seconds kubelet gives a stopping Ray pod: the longest request plus drain.marginSeconds. */}}
 {{- define "specserve.gracePeriodSeconds" -}}
-{{- $timeout := dig "limits" "request_timeout_s" 600 .Values.config }}
-{{- add (int (ceil (float64 $timeout))) .Values.drain.marginSeconds }}
+{{- add (int (include "specserve.requestTimeoutSeconds" .)) .Values.drain.marginSeconds }}
 {{- end }}
 
 {{/* The image of every Ray pod: the GPU or CPU build, as the model's accelerator says. */}}

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from specserve.cluster_config import DEFAULT_KEEP
 from specserve.config import (
-    DEPLOYMENT_OPTIONS,
     ConfigError,
     RouterConfig,
+    arm_changes,
     load_config,
     parse_config,
     read_config_file,
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
-    """Human-readable changes, each saying whether it applies live or redeploys an arm."""
+    """Human-readable changes, each saying whether it applies live or redeploys an arm; arms
+    classified as `config apply` classifies them (`config.arm_changes`)."""
     lines = []
     for section in ("routing", "limits"):
         old, new = getattr(a, section).model_dump(), getattr(b, section).model_dump()
@@ -214,25 +215,26 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
                 lines.append(f"  {section}.{key}: {old[key]!r} -> {new[key]!r} (live)")
     if a.model != b.model:
         lines.append(f"  model: {a.model.model_dump()} -> {b.model.model_dump()} (redeploys all)")
-    old_arms, new_arms = {x.name: x for x in a.arms}, {x.name: x for x in b.arms}
-    for name in sorted(old_arms.keys() - new_arms.keys()):
-        lines.append(f"- arm {name} (removed; its engine is deleted)")
-    for name in sorted(new_arms.keys() - old_arms.keys()):
-        lines.append(f"+ arm {name} weight {new_arms[name].weight:g} (new engine)")
-    for name in sorted(old_arms.keys() & new_arms.keys()):
-        old, new = old_arms[name], new_arms[name]
-        if old.weight != new.weight:
-            lines.append(f"~ arm {name} weight {old.weight:g} -> {new.weight:g} (live)")
-        before = old.model_dump(exclude={"weight"})
-        after = new.model_dump(exclude={"weight"})
-        changed = [k for k in after if before[k] != after[k]]
-        engine = [k for k in changed if k not in DEPLOYMENT_OPTIONS]
-        in_place = [k for k in changed if k in DEPLOYMENT_OPTIONS]
+    changes = sorted(arm_changes(a, b), key=lambda change: change.name)
+    weights = {arm.name: arm.weight for arm in b.arms}
+    for change in changes:
+        if change.kind == "removed":
+            lines.append(f"- arm {change.name} (removed; its engine is deleted)")
+    for change in changes:
+        if change.kind == "added":
+            lines.append(f"+ arm {change.name} weight {weights[change.name]:g} (new engine)")
+    for change in changes:
+        name = change.name
+        if change.weight is not None:
+            old_weight, new_weight = change.weight
+            lines.append(f"~ arm {name} weight {old_weight:g} -> {new_weight:g} (live)")
+        engine = [key for key in change.restart if key != "model"]
         if engine:
             lines.append(f"~ arm {name} {', '.join(engine)} changed (redeploys this arm)")
-        if in_place:
+        if change.in_place:
             lines.append(
-                f"~ arm {name} {', '.join(in_place)} changed (applied to the running engines)"
+                f"~ arm {name} {', '.join(change.in_place)} changed (applied to the running "
+                "engines)"
             )
     return lines
 

@@ -40,9 +40,27 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from specserve.config import ConfigError, RouterConfig, parse_config, revision_of
-from specserve.serve_config import ARM_APP_PREFIX, arm_application
+from specserve.config import (
+    DEPLOYMENT_OPTIONS,
+    ArmChange,
+    ArmEngineConfig,
+    ArmSide,
+    ConfigError,
+    ModelConfig,
+    RouterConfig,
+    arm_change,
+    parse_config,
+    revision_of,
+)
+from specserve.serve_config import (
+    ARM_APP_PREFIX,
+    ARM_ARG,
+    EXPOSE_HTTP_ARG,
+    MODEL_ARG,
+    arm_application,
+)
 
 APP_NAME = "specserve"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -237,18 +255,64 @@ def arm_applications(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {app["name"]: app for app in document["applications"] if is_arm_application(app)}
 
 
-def merge_arm_applications(document: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
-    """`document` with its arm applications replaced by those of `config`.
+def arm_of_application(app: dict[str, Any]) -> ArmSide | None:
+    """The model and arm an arm application runs (the inverse of `arm_application`), None when
+    its args are not a valid arm (written by hand, or by another version)."""
+    args = app.get("args") or {}
+    options = {
+        key: deployment[option]
+        for deployment in app.get("deployments") or []
+        for key, option in DEPLOYMENT_OPTIONS.items()
+        if option in deployment
+    }
+    try:
+        model = ModelConfig.model_validate(args[MODEL_ARG])
+        return model, ArmEngineConfig.model_validate({**args[ARM_ARG], **options})
+    except (KeyError, TypeError, ValidationError):
+        return None
 
-    Every other application (the router, whose arguments come from the chart's values) and every
-    top-level key stay as they are; the arms take the place of the first arm application. Whether
-    the arms answer under their own route (`expose_http`) is kept from the running document.
+
+def application_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> ArmChange:
+    """`config.arm_change` between two arm applications; one that cannot be read restarts when
+    it differs at all."""
+    name = str((new or old or {}).get("name", ""))
+    before = None if old is None else arm_of_application(old)
+    after = None if new is None else arm_of_application(new)
+    if (old is not None and before is None) or (new is not None and after is None):
+        return ArmChange(name, "unchanged" if old == new else "restart")
+    return arm_change(name, before, after)
+
+
+def merge_arm_applications(document: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """`document` with its arm applications replaced by those of `config`, as far as they
+    change (`config.arm_change`, on the normalised config).
+
+    An unchanged arm keeps its running application as it is (written out, a default the file
+    left out or spelled out would otherwise redeploy it); an arm changed in place keeps it with
+    the new deployment options; a restarted or new arm gets the new application. Every other
+    application (the router, whose arguments come from the chart's values) and every top-level
+    key stay as they are; the arms take the place of the first arm application. Whether the arms
+    answer under their own route (`expose_http`) is kept from the running document.
     """
     apps = document["applications"]
     expose = any(
-        (app.get("args") or {}).get("expose_http") for app in apps if is_arm_application(app)
+        (app.get("args") or {}).get(EXPOSE_HTTP_ARG) for app in apps if is_arm_application(app)
     )
-    arms = [arm_application(arm, config, expose_http=expose) for arm in config.arms]
+    running = arm_applications(document)
+    arms = []
+    for arm in config.arms:
+        new = arm_application(arm, config, expose_http=expose)
+        old = running.get(new["name"])
+        kind = application_change(old, new).kind
+        if old is None or kind == "restart":
+            arms.append(new)
+        elif kind == "unchanged":
+            arms.append(old)
+        else:
+            kept = {key: value for key, value in old.items() if key != "deployments"}
+            arms.append(
+                {**kept, **({"deployments": new["deployments"]} if "deployments" in new else {})}
+            )
     first = next((i for i, app in enumerate(apps) if is_arm_application(app)), len(apps))
     others = [app for app in apps if not is_arm_application(app)]
     return {**document, "applications": [*others[:first], *arms, *others[first:]]}
@@ -268,16 +332,19 @@ class ArmChanges:
 
 
 def arm_changes(before: dict[str, Any], after: dict[str, Any]) -> ArmChanges:
+    """What changes from the arms of one Serve document to another's, classified as `specserve
+    config diff` classifies configs (`config.arm_change`)."""
     old, new = arm_applications(before), arm_applications(after)
-
-    def engine(app: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if app is None else {k: v for k, v in app.items() if k != "deployments"}
-
-    changed = [name for name in new if old.get(name) != new[name]]
-    redeployed = tuple(name for name in changed if engine(old.get(name)) != engine(new[name]))
+    changes = [application_change(old.get(name), app) for name, app in new.items()]
     return ArmChanges(
-        redeployed=redeployed,
-        rescaled=tuple(name for name in changed if name not in redeployed),
+        redeployed=tuple(
+            name
+            for name, change in zip(new, changes, strict=True)
+            if change.kind in ("added", "restart")
+        ),
+        rescaled=tuple(
+            name for name, change in zip(new, changes, strict=True) if change.kind == "in place"
+        ),
         removed=tuple(name for name in old if name not in new),
     )
 

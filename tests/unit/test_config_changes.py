@@ -1,0 +1,148 @@
+"""One classification of config changes: `specserve config diff` and `config apply` (the arm
+applications it writes into a RayService's serveConfigV2) say the same about every arm."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from specserve.cli import diff_configs
+from specserve.cluster_config import arm_changes, merge_arm_applications
+from specserve.config import parse_config
+from specserve.serve_config import arm_app_name, serve_config
+
+DEFAULT = (Path(__file__).parents[2] / "service/specserve/configs/default.yaml").read_text()
+NGRAM_DEFAULTS = ", prompt_lookup_max: 4, prompt_lookup_min: 2"
+NO_SPEC = "    weight: 25\n    speculative: {method: none}\n"
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+# (name, new config, what happens to each arm: arm -> "restart" | "in place" | "removed")
+CASES = [
+    (
+        "defaults written out or left out",
+        edit(
+            edit(
+                DEFAULT,
+                NO_SPEC,
+                "    weight: 25\n    replicas: 1\n    speculative: {method: none}\n",
+            ),
+            NGRAM_DEFAULTS,
+            "",
+        ),
+        {},
+    ),
+    (
+        "a weight",
+        edit(DEFAULT, "- name: ngram\n    weight: 25", "- name: ngram\n    weight: 5"),
+        {},
+    ),
+    (
+        "replicas",
+        edit(
+            DEFAULT, NO_SPEC, "    weight: 25\n    replicas: 2\n    speculative: {method: none}\n"
+        ),
+        {"no-spec": "in place"},
+    ),
+    (
+        "a drafter's k, with the n-gram defaults dropped",
+        edit(
+            edit(
+                DEFAULT,
+                '"package://eagle3", num_speculative_tokens: 1',
+                '"package://eagle3", num_speculative_tokens: 2',
+            ),
+            NGRAM_DEFAULTS,
+            "",
+        ),
+        {"eagle3": "restart"},
+    ),
+    (
+        "an n-gram setting off its default",
+        edit(DEFAULT, "prompt_lookup_max: 4", "prompt_lookup_max: 5"),
+        {"ngram": "restart"},
+    ),
+    (
+        "an arm removed, another added",
+        DEFAULT.split("  - name: eagle3.1")[0]
+        + "  - name: ngram-k5\n    weight: 10\n"
+        + "    speculative: {method: ngram, num_speculative_tokens: 5}\n",
+        {"eagle3.1": "removed", "ngram-k5": "restart"},
+    ),
+    (
+        "the model",
+        edit(DEFAULT, "max_model_len: 4096", "max_model_len: 2048"),
+        {"no-spec": "restart", "ngram": "restart", "eagle3": "restart", "eagle3.1": "restart"},
+    ),
+]
+
+
+def diff_says(old: str, new: str) -> dict[str, str]:
+    """Per arm, what `config diff` prints: restart, in place (engines), removed; weights are
+    live and left out."""
+    found: dict[str, str] = {}
+    lines = diff_configs(parse_config(old), parse_config(new))
+    redeploy_all = any("(redeploys all)" in line for line in lines)
+    for line in lines:
+        if match := re.match(r"([-+~]) arm (\S+) (.*)", line):
+            sign, arm, rest = match.groups()
+            if sign == "-":
+                found[arm] = "removed"
+            elif sign == "+" or "(redeploys this arm)" in rest:
+                found[arm] = "restart"
+            elif "(applied to the running engines)" in rest:
+                found.setdefault(arm, "in place")
+    if redeploy_all:
+        found.update({arm.name: "restart" for arm in parse_config(new).arms})
+    return found
+
+
+def apply_does(old: str, new: str) -> dict[str, str]:
+    """Per arm, what `config apply` does to the RayService serving `old`."""
+    document = serve_config(parse_config(old), config_poll_s=2.0)
+    merged = merge_arm_applications(document, parse_config(new))
+    changes = arm_changes(document, merged)
+    arms = {
+        arm_app_name(a.name): a.name for a in [*parse_config(old).arms, *parse_config(new).arms]
+    }
+    found = {arms[app]: "restart" for app in changes.redeployed}
+    found |= {arms[app]: "in place" for app in changes.rescaled}
+    found |= {arms[app]: "removed" for app in changes.removed}
+    if not changes:
+        assert merged == document  # nothing changed: nothing is written
+    return found
+
+
+@pytest.mark.parametrize(("name", "new", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_diff_and_apply_classify_every_arm_alike(name, new, expected):
+    assert new != DEFAULT
+    assert diff_says(DEFAULT, new) == expected
+    assert apply_does(DEFAULT, new) == expected
+
+
+def test_defaults_written_out_are_no_change_at_all():
+    new = CASES[0][1]
+    assert diff_configs(parse_config(DEFAULT), parse_config(new)) == []
+
+
+def test_an_in_place_change_keeps_the_running_engine_arguments():
+    """Replicas changed and the n-gram defaults dropped: the arm's args stay as they run (a new
+    spelling of them would make Ray Serve restart its engines); only its options change."""
+    new = edit(
+        edit(DEFAULT, NGRAM_DEFAULTS, ""),
+        "    speculative: {method: ngram, num_speculative_tokens: 3}\n",
+        "    speculative: {method: ngram, num_speculative_tokens: 3}\n    replicas: 2\n",
+    )
+    document = serve_config(parse_config(DEFAULT))
+    merged = merge_arm_applications(document, parse_config(new))
+    before = {a["name"]: a for a in document["applications"]}["arm-ngram"]
+    after = {a["name"]: a for a in merged["applications"]}["arm-ngram"]
+    assert after["args"] == before["args"]
+    assert after["deployments"][0]["num_replicas"] == 2
+    assert arm_changes(document, merged).rescaled == ("arm-ngram",)

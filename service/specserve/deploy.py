@@ -30,6 +30,7 @@ from specserve.config import LoadedConfig, load_config
 from specserve.config_checks import check_engine_settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
+from specserve.readiness import RUNNING, Readiness
 from specserve.serve_config import (
     PROXY_HOOK,
     PROXY_HOOK_ENV,
@@ -64,13 +65,10 @@ class Platform:
         self.config_path = Path(settings.config).resolve()
         self.loaded: LoadedConfig = load_config(self.config_path)
         # Absolute: every HTTP proxy reads them, whatever its working directory.
-        self.keys_files = {
-            name: str(Path(path).resolve()) if path else None
-            for name, path in (
-                ("api_keys_file", settings.api_keys_file),
-                ("admin_keys_file", settings.admin_keys_file),
-            )
-        }
+        self.api_keys_file, self.admin_keys_file = (
+            str(Path(path).resolve()) if path else None
+            for path in (settings.api_keys_file, settings.admin_keys_file)
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -188,7 +186,8 @@ class Platform:
             host=s.host,
             port=s.port,
             expose_arms=s.expose_arms,
-            **self.keys_files,
+            api_keys_file=self.api_keys_file,
+            admin_keys_file=self.admin_keys_file,
         )
 
     def deploy(self, loaded: LoadedConfig) -> None:
@@ -220,24 +219,27 @@ class Platform:
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:
                 raise DeployError(f"deployment failed: {failed}")
-            ready = self._ready_body() if "RUNNING" in statuses.values() else {}
-            if ready.get("dispatch") is False:  # the proxies cannot route: it never will be
-                raise DeployError(ready["error"])
-            if all(status == "RUNNING" for status in statuses.values()) and ready.get("ready"):
+            found = self._readiness() if RUNNING in statuses.values() else None
+            if found is not None and not found.dispatch:  # the proxies cannot route: never
+                raise DeployError(found.error or "no dispatch in the HTTP proxies")
+            if all(status == RUNNING for status in statuses.values()) and found and found.ready:
                 return
             if time.monotonic() > deadline:
                 raise DeployError(f"not running after {timeout_s:g} s: {statuses}")
             time.sleep(1)
 
-    def _ready_body(self) -> dict[str, Any]:
-        """The router's `/ready` answer ({} while it does not answer). It reads arm states in
+    def _readiness(self) -> Readiness | None:
+        """The router's `/ready` answer (None while it does not answer). It reads arm states in
         the background, about once a second."""
         host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::") else self.settings.host
         try:
             answer = httpx.get(f"http://{host}:{self.settings.port}/ready", timeout=5)
-            return answer.json() if answer.headers.get("content-type") == "application/json" else {}
+            if answer.headers.get("content-type") != "application/json":
+                return None
+            body = answer.json()
+            return Readiness.from_body(body) if isinstance(body, dict) else None
         except (httpx.HTTPError, ValueError):
-            return {}
+            return None
 
 
 def ray_session_dir() -> Path:

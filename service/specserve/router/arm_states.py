@@ -17,14 +17,15 @@ from ray.experimental import internal_kv
 from ray.serve.context import _get_global_client
 
 from specserve.node_drain import DRAIN_KV_NAMESPACE, drain_key
+from specserve.readiness import RUNNING
 from specserve.serve_config import (
     DRAINING,
+    EXPOSE_HTTP_ARG,
     ROUTER_APP_NAME,
     ROUTER_DEPLOYMENT_NAME,
     arm_name_of_app,
 )
 
-RUNNING = "RUNNING"
 DEPLOYING = "DEPLOYING"
 # How often the dispatch asks Ray Serve which arms run.
 POLL_S = 1.0
@@ -75,7 +76,7 @@ def read_serve_state(previous: ServeState | None = None) -> ServeState:
         statuses[arm] = state(app.get("status"))
         if routable(app, was_running=arm in was_running):
             running.add(arm)
-        if (deployed.get("args") or {}).get("expose_http"):
+        if (deployed.get("args") or {}).get(EXPOSE_HTTP_ARG):
             exposed.add(arm)
     return ServeState(
         statuses=statuses,

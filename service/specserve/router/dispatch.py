@@ -51,11 +51,11 @@ from specserve.metrics import (
     SELECTED_BY_OVERRIDE,
     RouterMetrics,
 )
+from specserve.readiness import readiness
 from specserve.router.arm_states import (
     FIRST_READ_WAIT_S,
     POLL_S,
     READ_TIMEOUT_S,
-    RUNNING,
     ServeState,
     read_serve_state,
 )
@@ -63,7 +63,13 @@ from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import ReplayedBodies
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
-from specserve.serve_config import ARM_ROUTE_PREFIX
+from specserve.serve_config import (
+    ADMIN_KEYS_FILE_ARG,
+    API_KEYS_FILE_ARG,
+    ARM_ROUTE_PREFIX,
+    CONFIG_PATH_ARG,
+    CONFIG_POLL_S_ARG,
+)
 from specserve.watch import ConfigWatcher
 from specserve.wire.auth import Identity, KeyLimits, KeyRing, admin_required
 from specserve.wire.errors import (
@@ -228,14 +234,14 @@ class DispatchState:
     async def _follow_keys(self, router_args: dict[str, Any]) -> None:
         """Take the keys files the router application names (once, or again if it names
         others); their contents are checked with the config."""
-        files = (router_args.get("api_keys_file"), router_args.get("admin_keys_file"))
+        files = (router_args.get(API_KEYS_FILE_ARG), router_args.get(ADMIN_KEYS_FILE_ARG))
         if files != self._keys_files:
             self.keys = await asyncio.to_thread(KeyRing, *files)
             self._keys_files = files
 
     async def _follow_config(self, router_args: dict[str, Any]) -> None:
         """Load the config the router application names (once, or again if it names another)."""
-        path = str(router_args.get("config_path", ""))
+        path = str(router_args.get(CONFIG_PATH_ARG, ""))
         if self.loaded is not None and self.loaded.path == path:
             return
         try:
@@ -271,7 +277,7 @@ class DispatchState:
     async def _watch_config(self) -> None:
         while True:
             args = self.serve_state.router_args or {}
-            await asyncio.sleep(float(args.get("config_poll_s", POLL_S)))
+            await asyncio.sleep(float(args.get(CONFIG_POLL_S_ARG, POLL_S)))
             if self.watcher is not None:
                 try:
                     # In a thread: the engine-settings check imports vLLM's argument parser.
@@ -300,19 +306,14 @@ class DispatchState:
             await app(scope, receive, send)
             return
         state, loaded = self.serve_state, self.loaded
-        waiting = {
-            arm.name: state.statuses.get(arm.name, "NOT_DEPLOYED")
-            for arm in (loaded.config.arms if loaded else ())
-            if arm.weight > 0 and state.statuses.get(arm.name) != RUNNING
-        }
-        body = {
-            "ready": loaded is not None and not waiting and not state.draining,
-            "revision": loaded.revision if loaded else None,
-            "waiting": waiting,
-            "draining": state.draining,
-            "dispatch": True,
-        }
-        await _send_json(send, 200 if body["ready"] else 503, body, [_request_id(scope)])
+        found = readiness(
+            loaded.config if loaded else None,
+            loaded.revision if loaded else None,
+            state.statuses,
+            draining=state.draining,
+        )
+        status = 200 if found.ready else 503
+        await _send_json(send, status, found.body(), [_request_id(scope)])
 
     def _check_key(self, scope: Scope, admin_for: str | None = None) -> None:
         """401 for a missing or wrong API key; 403 for a public key where `admin_for` (an admin

@@ -20,10 +20,14 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from specserve.config import LoadedConfig, RouterConfig, load_config
+from specserve.readiness import Readiness
 from specserve.serve_config import (
+    CONFIG_PATH_ARG,
+    CONFIG_POLL_S_ARG,
     PROXY_HOOK,
     PROXY_HOOK_ENV,
     ROUTER_DEPLOYMENT_NAME,
+    ROUTER_REPLICAS_ARG,
 )
 from specserve.watch import ConfigWatcher
 from specserve.wire.errors import OpenAIError, install_error_handlers
@@ -76,8 +80,8 @@ class Router:
     async def ready(self) -> JSONResponse:
         """The dispatch answers `/ready` itself (it knows what it routes with): a readiness
         check that gets here went through a proxy without it."""
-        body = {"ready": False, "revision": self.loaded.revision, "dispatch": False}
-        return JSONResponse({**body, "error": NO_DISPATCH}, status_code=503)
+        found = Readiness(self.loaded.revision, dispatch=False, error=NO_DISPATCH)
+        return JSONResponse(found.body(), status_code=503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -112,6 +116,7 @@ class Router:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder (`import_path` of the router in the Serve config): plain args
     `{config_path, config_poll_s, replicas}` as `serve_config.router_application` writes them."""
-    return Router.options(num_replicas=int(args.get("replicas", 1))).bind(  # type: ignore[attr-defined]
-        args["config_path"], float(args.get("config_poll_s", 1.0))
+    replicas = int(args.get(ROUTER_REPLICAS_ARG, 1))
+    return Router.options(num_replicas=replicas).bind(  # type: ignore[attr-defined]
+        args[CONFIG_PATH_ARG], float(args.get(CONFIG_POLL_S_ARG, 1.0))
     )

@@ -77,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     rollback_p.add_argument("--to", metavar="REVISION", help="a revision or a unique prefix")
 
+    drain_p = sub.add_parser(
+        "drain-node",
+        help="drain this pod's Ray node and wait for its requests (the chart's preStop hook)",
+    )
+    drain_p.add_argument(
+        "--within-s", type=float, required=True, help="give up waiting after this many seconds"
+    )
+    drain_p.add_argument("--metrics-port", type=int, default=8080, help="Ray's metrics export port")
+
     model_p = sub.add_parser("model", help="target models")
     model_sub = model_p.add_subparsers(dest="model_command", required=True)
     prepare_p = model_sub.add_parser("prepare", help="convert the configured model once")
@@ -185,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "config" and args.config_command in ("apply", "history", "rollback"):
             return _cluster_config(args)
+        if args.command == "drain-node":
+            from specserve.node_drain import drain_node
+
+            result = drain_node(args.within_s, metrics_port=args.metrics_port)
+            print(
+                f"node {result.node_id} drained in {result.waited_s:.1f} s; "
+                f"in flight at the end: {result.in_flight}"
+            )
+            return 0
         if args.command == "model" and args.model_command == "prepare":
             from specserve.models import prepare_model
 

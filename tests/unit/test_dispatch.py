@@ -6,6 +6,7 @@ the admin override, the headers passed on, limits, replays, the guardrail."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -104,6 +105,7 @@ class Client:
         extra: dict[str, str] | None = None,
         chunks: list[bytes] | None = None,
         pause_s: float = 0.0,
+        method: str = "POST",
     ) -> tuple[int, dict[str, str], dict]:
         raw = json.dumps(body if body is not None else {"model": MODEL, "prompt": "hi"}).encode()
         parts = chunks if chunks is not None else [raw]
@@ -112,7 +114,7 @@ class Client:
             request_headers.append((b"authorization", f"Bearer {key}".encode()))
         for name, value in (extra or {}).items():
             request_headers.append((name.encode(), value.encode()))
-        scope = {"type": "http", "method": "POST", "path": path, "headers": request_headers}
+        scope = {"type": "http", "method": method, "path": path, "headers": request_headers}
         pending = list(parts)
         sent: list[dict] = []
 
@@ -314,6 +316,24 @@ def test_an_arms_own_routes_are_closed_while_the_arm_states_are_unknown(tmp_path
     async def main():
         status, _, _ = await client.request(path="/arms/a/v1/completions", key=ADMIN_KEY)
         assert status == 404 and client.arms.requests == []
+
+    run(main())
+
+
+def test_a_node_being_drained_refuses_new_requests_and_says_it_is_not_ready(client, monkeypatch):
+    async def main():
+        status, _, _ = await client.request()
+        assert status == 200
+        # `specserve drain-node` marked this proxy's node (the pod's preStop).
+        drained = dataclasses.replace(client.dispatch.state.serve_state, node_draining=True)
+        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: drained)
+        client.dispatch.state.serve_state = drained
+        status, found, body = await client.request()
+        assert status == 503 and body["error"]["code"] == "shutting_down"
+        assert found[headers.RETRY_AFTER.lower()] == "1"
+        assert len(client.arms.requests) == 1  # only the first reached an arm
+        status, _, ready = await client.request(path="/ready", key=None, method="GET")
+        assert status == 503 and ready["draining"] is True
 
     run(main())
 

@@ -47,6 +47,11 @@ class ServeState:
     node_draining: bool = False  # this proxy's node is being drained (`specserve drain-node`)
     exposed: frozenset[str] = frozenset()  # arms deployed with `expose_http`
 
+    @property
+    def shutting_down(self) -> bool:
+        """New requests are refused: the platform stops, or this proxy's pod does."""
+        return self.draining or self.node_draining
+
 
 def serve_applications() -> dict[str, dict[str, Any]]:
     """Every Serve application's details as plain data (the schema of Serve's REST API). The

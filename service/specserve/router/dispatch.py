@@ -310,7 +310,7 @@ class DispatchState:
             loaded.config if loaded else None,
             loaded.revision if loaded else None,
             state.statuses,
-            draining=state.draining,
+            draining=state.shutting_down,
         )
         status = 200 if found.ready else 503
         await _send_json(send, status, found.body(), [_request_id(scope)])
@@ -372,7 +372,7 @@ class DispatchState:
         identity: Identity | None = None
         try:
             try:
-                if self.serve_state.draining:
+                if self.serve_state.shutting_down:
                     raise OpenAIError(
                         503,
                         "the service is shutting down; retry shortly",

@@ -111,8 +111,10 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
         )
         drained_in_ray = False
         if not head:
-            gcs = ray._private.worker.global_worker.gcs_client
-            preemption = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+            # What `ray drain-node` calls: Ray's private GCS client (versions.py pins Ray).
+            gcs = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]
+            reasons = autoscaler_pb2.DrainNodeReason  # type: ignore[attr-defined]
+            preemption = reasons.Value("DRAIN_NODE_REASON_PREEMPTION")
             accepted, why = gcs.drain_node(
                 node_id, preemption, "the pod is being deleted (preStop)", deadline_ms
             )

@@ -62,6 +62,9 @@ RAY = Supported(
         ("ray.serve.context", "_get_global_client"),
         ("ray.serve._private.client", "ServeControllerClient.get_serve_details"),
         ("ray.serve._private.client", "ServeControllerClient.deploy_apps"),
+        # A pod's drain (node_drain.py): the drain mark, and Ray's own node drain.
+        ("ray.experimental.internal_kv", "_internal_kv_exists"),
+        ("ray._raylet", "InnerGcsClient.drain_node"),
     ),
 )
 

@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
             result = drain_node(args.within_s, metrics_port=args.metrics_port)
             print(
-                f"node {result.node_id} drained in {result.waited_s:.1f} s; "
-                f"in flight at the end: {result.in_flight}"
+                f"node {result.node_id} drained in {result.waited_s:.1f} s; at the end "
+                f"{result.replicas_left} Serve replica(s) on it, {result.in_flight} request(s) "
+                "in flight through its proxy"
             )
             return 0
         if args.command == "model" and args.model_command == "prepare":

@@ -26,6 +26,9 @@ from pydantic import (
 
 from specserve import config_policy, headers
 
+# The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
+# this long at most for its requests, each of which its own timeout ends sooner.
+MAX_REQUEST_TIMEOUT_S = 86_400
 ARM_NAME_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,40}[a-z0-9])?$"
 # A lower-case HTTP header name (an RFC 9110 token), as ASGI delivers header names.
 HEADER_NAME_PATTERN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")
@@ -389,7 +392,7 @@ class LimitsConfig(_Strict):
     request_timeout_s: float = Field(
         600,
         gt=0,
-        le=86_400,
+        le=MAX_REQUEST_TIMEOUT_S,
         description="A request still running after this long is cancelled (504). At most a "
         "day: a request holds an engine slot and a connection until then.",
     )

@@ -12,9 +12,12 @@ through the pod's HTTP proxy, and those its engines are generating, end with the
    elsewhere and stops the old one once the replacement runs, its requests finished. The head is
    never drained in Ray: its deletion ends the cluster, and a drained head stops scheduling the
    Serve controller's work.
-3. The command waits until nothing is in flight on the node: the router's requests in flight and
-   the engines' running and waiting requests, as this node's metrics export port shows them (one
-   report interval behind), read twice in a row at zero; or until the deadline.
+3. The command waits until no Serve replica is left on the node (Ray Serve stops each once its
+   replacement runs and its own requests have finished, within the arm's graceful shutdown) and
+   the requests through this node's HTTP proxy are done (the router's in-flight gauge on this
+   node's metrics export port, one report interval behind, read twice in a row at zero); or
+   until the deadline. The engines' own gauges are no guide: requests keep arriving at a
+   replica until its replacement runs.
 """
 
 from __future__ import annotations
@@ -36,12 +39,10 @@ DRAIN_KV_NAMESPACE = "specserve"
 DRAIN_KV_PREFIX = "draining/"
 # Ray's metrics export port on every pod (KubeRay's default `metrics-export-port`).
 METRICS_PORT = 8080
-# What is still being answered on a node: the router's count, and each engine's queue.
-IN_FLIGHT_SERIES = (
-    EXPORT_PREFIX + REQUESTS_IN_FLIGHT,
-    "ray_vllm_num_requests_running",
-    "ray_vllm_num_requests_waiting",
-)
+# Requests in flight through a node's HTTP proxy, as the dispatch there exports them.
+IN_FLIGHT_SERIES = EXPORT_PREFIX + REQUESTS_IN_FLIGHT
+# Ray Serve names each replica's actor class after this prefix.
+REPLICA_CLASS_PREFIX = "ServeReplica:"
 POLL_S = 1.0
 # Ray's default interval between metrics reports (RAY_metrics_report_interval_ms).
 DEFAULT_REPORT_INTERVAL_S = 10.0
@@ -56,18 +57,31 @@ class DrainResult:
     node_id: str
     head: bool
     drained_in_ray: bool
+    replicas_left: int  # Serve replicas still on the node at the end
     in_flight: float | None  # at the end; None: the metrics port could not be read
     waited_s: float
 
 
-def node_in_flight(metrics_url: str) -> float | None:
-    """Requests in flight on this node, as its metrics export shows them; None if unreadable."""
+def proxy_in_flight(metrics_url: str) -> float | None:
+    """Requests in flight through this node's proxy, as its metrics export shows them; None if
+    unreadable."""
     try:
-        return sum(
-            s.value for _, s in scrape(metrics_url, timeout_s=2) if s.name in IN_FLIGHT_SERIES
-        )
+        samples = scrape(metrics_url, timeout_s=2)
+        return sum(s.value for _, s in samples if s.name == IN_FLIGHT_SERIES)
     except httpx.HTTPError:
         return None
+
+
+def replicas_on(node_id: str) -> int:
+    """Serve replicas alive on a node (Ray's state API)."""
+    from ray.util.state import list_actors
+
+    alive = list_actors(
+        filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")],
+        limit=10_000,
+        raise_on_missing_output=False,
+    )
+    return sum(1 for actor in alive if actor.class_name.startswith(REPLICA_CLASS_PREFIX))
 
 
 def report_interval_s() -> float:
@@ -75,10 +89,10 @@ def report_interval_s() -> float:
     return float(interval_ms) / 1000 if interval_ms else DEFAULT_REPORT_INTERVAL_S
 
 
-def wait_until_idle(
-    read: Callable[[], float | None], *, deadline: float, settle_s: float
+def wait_for_zero(
+    read: Callable[[], float | None], what: str, *, deadline: float, settle_s: float = 0.0
 ) -> float | None:
-    """Wait `settle_s` (the metrics lag), then until `read` gives 0 twice in a row or the
+    """Wait `settle_s` (a metric's lag), then until `read` gives 0 twice in a row or the
     deadline passes; the last reading."""
     time.sleep(max(0.0, min(settle_s, deadline - time.monotonic())))
     last, zeros = read(), 0
@@ -86,7 +100,7 @@ def wait_until_idle(
         zeros = zeros + 1 if last == 0 else 0
         if zeros >= 2:
             break
-        logger.info("waiting for %s request(s) in flight on this node", last)
+        logger.info("waiting for %s %s on this node", last, what)
         time.sleep(POLL_S)
         last = read()
     return last
@@ -127,13 +141,23 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
             "head" if head else "worker",
             within_s,
         )
+        replicas = 0
+        if drained_in_ray:
+            replicas = int(
+                wait_for_zero(lambda: replicas_on(node_id), "Serve replica(s)", deadline=deadline)
+                or 0
+            )
         url = f"http://127.0.0.1:{metrics_port}/metrics"
-        last = wait_until_idle(
-            lambda: node_in_flight(url), deadline=deadline, settle_s=report_interval_s() + POLL_S
+        last = wait_for_zero(
+            lambda: proxy_in_flight(url),
+            "request(s) in flight through the proxy",
+            deadline=deadline,
+            settle_s=report_interval_s() + POLL_S,
         )
     finally:
         ray.shutdown()
-    return DrainResult(node_id, head, drained_in_ray, last, time.monotonic() - started)
+    waited = time.monotonic() - started
+    return DrainResult(node_id, head, drained_in_ray, replicas, last, waited)
 
 
 def _is_head(node: dict) -> bool:

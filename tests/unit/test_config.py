@@ -516,3 +516,12 @@ def test_a_packaged_drafter_is_named_by_its_directory_only(model):
     )
     with pytest.raises(ConfigError, match="`arms.1.speculative.eagle3.model`: .* no path"):
         parse_config(text)
+
+
+def test_a_stopped_arm_replica_finishes_requests_as_long_as_any_may_run():
+    # Ray Serve's default (20 s) cut streams when a replica was stopped by a redeploy or moved
+    # off a drained node.
+    config = load_config(DEFAULT_CONFIG_PATH).config
+    for arm in config.arms:
+        options = build_llm_config(arm, config.model).deployment_config
+        assert options["graceful_shutdown_timeout_s"] >= config.limits.request_timeout_s

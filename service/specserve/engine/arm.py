@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from specserve.config import ArmEngineConfig, ModelConfig
+from specserve.config import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
@@ -42,6 +42,10 @@ def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
             "status_code": OVERLOAD_STATUS,
             "retry_after_s": OVERLOAD_RETRY_AFTER_S,
         },
+        # A replica being stopped (a redeploy, or a drained node's replica once its replacement
+        # runs) finishes its requests first, however long they may run: each ends by its own
+        # timeout (Ray Serve's default, 20 s, cut streams in the middle).
+        "graceful_shutdown_timeout_s": MAX_REQUEST_TIMEOUT_S,
     }
 
 

@@ -1,0 +1,265 @@
+"""The kubelet's part: run a planned Ray pod as real processes, probe it, and delete it.
+
+A pod is its container's command, started in the pod's own network namespace (network.py) and
+its own mount namespace, where the pod's volumes are mounted at their rendered paths as kubelet
+mounts them: emptyDirs (a tmpfs of the rendered size for `medium: Memory`, such as /dev/shm),
+ConfigMaps and Secrets in kubelet's layout (the files are links through `..data` to a
+timestamped directory, and an update swaps `..data` in one rename). It runs as the rendered
+`runAsUser` / `runAsGroup` with exactly the container's env: the rendered variables, those
+KubeRay adds (kuberay.py) and the image's own (the Dockerfile's `cpu` stage), where the image's
+virtualenv and prepared model are this checkout's `.venv` and model cache (the cache is mounted at
+the image's path). Probes and the preStop hook run inside the pod's namespaces, as kubelet's
+exec probes and hooks do. Deleting a pod runs its preStop, sends SIGTERM, waits out
+`terminationGracePeriodSeconds`, then kills what is left.
+
+Not shown here: the image itself (its file system, the read-only root, the login shell's PATH),
+scheduling and resource limits (cgroups), persistent volumes, cluster DNS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.cluster.kuberay import PodPlan, quantity_bytes
+from tests.cluster.network import Endpoint
+from tests.deploy.conftest import ROOT
+from tests.deploy.dockerfile import Dockerfile
+
+VENV_BIN = Path(sys.executable).parent
+# The image's paths of what this checkout provides instead.
+IMAGE_VENV = "/opt/venv"
+IMAGE_CACHE = "/opt/specserve/cache"
+
+
+def image_env(model_cache: Path) -> dict[str, str]:
+    """The Dockerfile `cpu` stage's environment, its virtualenv and cache made this checkout's."""
+    dockerfile = Dockerfile.parse((ROOT / "Dockerfile").read_text())
+    stage = dockerfile.stage("cpu")
+    assert stage is not None
+    env = dockerfile.env(stage)
+    env["VIRTUAL_ENV"] = str(VENV_BIN.parent)
+    env["PATH"] = f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert env.get("SPECSERVE_CACHE_DIR") == IMAGE_CACHE, "the image's model cache moved"
+    return env
+
+
+def write_atomic_volume(directory: Path, files: dict[str, str], uid: int, gid: int) -> None:
+    """kubelet's ConfigMap / Secret volume layout: the data in a new timestamped directory,
+    `..data` switched to it by one rename, and each file a link through `..data`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("..%Y_%m_%d_%H_%M_%S.%f")
+    payload = directory / stamp
+    payload.mkdir()
+    for name, text in files.items():
+        (payload / name).write_text(text)
+        (payload / name).chmod(0o644)
+    os.chown(payload, uid, gid)
+    old = (directory / "..data").resolve() if (directory / "..data").exists() else None
+    tmp_link = directory / "..data_tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp_link.unlink()
+    tmp_link.symlink_to(stamp)
+    tmp_link.rename(directory / "..data")
+    for name in files:
+        link = directory / name
+        if not link.is_symlink():
+            link.symlink_to(f"..data/{name}")
+    if old is not None and old.name != stamp:
+        subprocess.run(["rm", "-rf", str(old)], check=False)
+
+
+class Pod:
+    def __init__(
+        self,
+        plan: PodPlan,
+        endpoint: Endpoint,
+        root: Path,
+        *,
+        env: dict[str, str],
+        config_maps: dict[str, dict[str, str]],
+        secrets: dict[str, dict[str, str]],
+        security: dict[str, Any],
+        model_cache: Path,
+    ) -> None:
+        self.plan, self.endpoint, self.env = plan, endpoint, env
+        self.config_maps, self.secrets, self.security = config_maps, secrets, security
+        self.dir = root / plan.name
+        self.uid = int(security.get("runAsUser", 0))
+        self.gid = int(security.get("runAsGroup", self.uid))
+        self.model_cache = model_cache
+        self.volume_dirs: dict[str, Path] = {}
+        self.mounts: list[str] = []  # shell lines run in the pod's mount namespace
+        self._lay_out_volumes(config_maps, secrets)
+        self.process: subprocess.Popen | None = None
+        self.log = self.dir / "container.log"
+
+    # -- volumes -----------------------------------------------------------------------------
+
+    def _lay_out_volumes(self, config_maps, secrets) -> None:
+        volumes = {v["name"]: v for v in self.plan.volumes}
+        mounts = sorted(self.plan.container.get("volumeMounts", []), key=lambda m: m["mountPath"])
+        for mount in mounts:
+            volume = volumes[mount["name"]]
+            path, target = self.dir / "volumes" / volume["name"], mount["mountPath"]
+            if "emptyDir" in volume and volume["emptyDir"].get("medium") == "Memory":
+                size = volume["emptyDir"].get("sizeLimit")
+                option = f"-o size={quantity_bytes(size)}" if size else ""
+                self.mounts.append(f"mount -t tmpfs {option} tmpfs {shlex.quote(target)}")
+                self.mounts.append(f"chown {self.uid}:{self.gid} {shlex.quote(target)}")
+                continue
+            if "emptyDir" in volume:
+                path.mkdir(parents=True, exist_ok=True)
+                os.chown(path, self.uid, self.gid)
+            elif "configMap" in volume:
+                data = config_maps[volume["configMap"]["name"]]
+                write_atomic_volume(path, data, self.uid, self.gid)
+            elif "secret" in volume:
+                data = secrets[volume["secret"]["secretName"]]
+                write_atomic_volume(path, data, self.uid, self.gid)
+            else:
+                raise NotImplementedError(
+                    f"volume {volume['name']}: {sorted(volume)} not played here"
+                )
+            self.volume_dirs[volume["name"]] = path
+            self._mount_point(target)
+            ro = ",ro" if mount.get("readOnly") else ""
+            self.mounts.append(f"mount --bind {shlex.quote(str(path))} {shlex.quote(target)}")
+            if ro:
+                self.mounts.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+
+    def _image_mounts(self) -> list[str]:
+        """This checkout standing in for the image's files: the prepared model at the image's
+        cache path, and the interpreter the virtualenv links to (here under root's home, which
+        uid 1000 may not enter: the pod sees an empty home with only the interpreter in it)."""
+        Path(IMAGE_CACHE).mkdir(parents=True, exist_ok=True)
+        python = Path(os.path.realpath(VENV_BIN / "python3"))
+        lines = [f"mount --bind {shlex.quote(str(self.model_cache))} {IMAGE_CACHE}"]
+        home = Path.home()
+        if home in python.parents:
+            top = home / python.relative_to(home).parts[0]  # e.g. ~/.pyenv
+            held = self.dir / "interpreter"
+            held.mkdir(parents=True, exist_ok=True)
+            lines += [
+                f"mount --bind {shlex.quote(str(top))} {shlex.quote(str(held))}",
+                f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(str(home))}",
+                f"mkdir {shlex.quote(str(top))}",
+                f"mount --move {shlex.quote(str(held))} {shlex.quote(str(top))}",
+            ]
+        return lines
+
+    def _mount_point(self, target: str) -> None:
+        """A nested mount's point inside its parent volume (the runtime creates it there); a
+        top-level one on the host, where the pod's mount namespace covers it."""
+        for name, path in self.volume_dirs.items():
+            parent = next(
+                m["mountPath"] for m in self.plan.container["volumeMounts"] if m["name"] == name
+            )
+            if target.startswith(parent.rstrip("/") + "/"):
+                (path / Path(target).relative_to(parent)).mkdir(parents=True, exist_ok=True)
+                return
+        Path(target).mkdir(parents=True, exist_ok=True)
+
+    def update_volume(self, name: str, files: dict[str, str]) -> None:
+        """kubelet's update of a mounted ConfigMap or Secret."""
+        write_atomic_volume(self.volume_dirs[name], files, self.uid, self.gid)
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def in_pod(self, command: str) -> list[str]:
+        """argv running a shell command inside this pod: its network and mount namespaces, its
+        user, exactly its env."""
+        env = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
+        user = f"setpriv --reuid={self.uid} --regid={self.gid} --clear-groups"
+        script = "\n".join(
+            [
+                "set -e",
+                *self._image_mounts(),
+                *self.mounts,
+                f"cd {shlex.quote(self.env.get('HOME', '/'))}",
+                f"exec {user} env -i {env} bash -c {shlex.quote(command)}",
+            ]
+        )
+        return [
+            "ip", "netns", "exec", self.endpoint.netns,
+            "unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script,
+        ]  # fmt: skip
+
+    def start(self, command: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = self.log.open("ab")
+        self.process = subprocess.Popen(
+            self.in_pod(command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def exec(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        """What `kubectl exec` and kubelet's exec probes run."""
+        return subprocess.run(
+            self.in_pod(shlex.join(argv)), capture_output=True, text=True, timeout=timeout
+        )
+
+    def probe(self, commands: list[list[str]]) -> tuple[bool, str]:
+        for command in commands:
+            done = self.exec(command, timeout=15)
+            if done.returncode != 0:
+                return False, f"{shlex.join(command)}: exit {done.returncode} {done.stderr[-300:]}"
+        return True, ""
+
+    def processes(self) -> list[psutil.Process]:
+        if self.process is None:
+            return []
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def all_processes(self) -> list[psutil.Process]:
+        """Every process of the pod: those in its network namespace (Ray daemonizes some of its
+        own) and the container command's tree."""
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.endpoint.netns], capture_output=True, text=True
+        ).stdout.split()
+        found = {p.pid: p for p in self.processes()}
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.setdefault(int(pid), psutil.Process(int(pid)))
+        return list(found.values())
+
+    def delete(self, *, pre_stop: bool = True) -> dict[str, float]:
+        """kubelet's pod deletion: the preStop hook, SIGTERM, the grace period, SIGKILL. Returns
+        how long each part took."""
+        took: dict[str, float] = {}
+        started = time.monotonic()
+        hook = (self.plan.container.get("lifecycle") or {}).get("preStop", {}).get("exec")
+        if pre_stop and hook:
+            done = self.exec(hook["command"], timeout=self.plan.grace_s)
+            (self.dir / "prestop.log").write_text(done.stdout + done.stderr)
+            took["pre_stop_s"] = time.monotonic() - started
+        for process in self.all_processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGTERM)
+        left = max(0.0, self.plan.grace_s - (time.monotonic() - started))
+        _, alive = psutil.wait_procs(self.all_processes(), timeout=left)
+        for process in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(self.all_processes(), timeout=10)
+        took["total_s"] = time.monotonic() - started
+        return took
+
+    def kill(self) -> None:
+        for process in self.all_processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(self.all_processes(), timeout=10)

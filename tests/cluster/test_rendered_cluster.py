@@ -1,0 +1,191 @@
+"""The rendered chart run as a cluster runs it (harness.py): pods from the RayService, probes,
+traffic with an API key, the NetworkPolicy enforced, a ConfigMap update, one arm redeployed, and
+a worker pod deleted under load."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from tests.cluster import kuberay, netpol
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_pod_passes_its_rendered_and_kuberay_probes(cluster):
+    for pod in cluster.pods.values():
+        startup = (pod.plan.container.get("startupProbe") or {}).get("exec")
+        commands = [startup["command"]] if startup else []
+        ok, why = pod.probe(
+            [*commands, *pod.plan.readiness_commands(), *pod.plan.liveness_commands()]
+        )
+        assert ok, f"{pod.plan.name}: {why}"
+
+
+def test_the_api_serves_plain_and_streamed_requests_with_a_key_through_every_pod(cluster):
+    serving = cluster.serving_pods()
+    assert len(serving) >= 3, "the head and the engines' pods serve"
+    for index, pod in enumerate(serving):
+        answer = cluster.request(pod, stream=index % 2 == 1)
+        assert answer["status"] == 200 and answer["text"].strip(), answer
+        assert answer["arm"] in cluster.arm_names() and answer["revision"], answer
+    head = next(iter(cluster.pods.values()))
+    assert cluster.curl("ingress", f"http://{head.endpoint.ip}:8000/v1/models") == 401
+
+
+def test_the_network_policy_lets_through_what_is_needed_and_nothing_else(cluster):
+    head, *workers = cluster.pods.values()
+    dashboard = f"http://{head.endpoint.ip}:{kuberay.DASHBOARD_PORT}"
+    api = f"http://{workers[0].endpoint.ip}:{kuberay.SERVE_PORT}/v1/models"
+    metrics = f"http://{workers[0].endpoint.ip}:{kuberay.METRICS_PORT}/metrics"
+    # What Ray, the API, KubeRay and Prometheus need (Ray itself: the cluster runs at all).
+    assert cluster.curl("operator", f"{dashboard}/api/version") != 0
+    assert cluster.curl("ingress", api) == 401  # reached; the key is checked
+    assert cluster.curl("prometheus", metrics) == 200
+    # Everything else is dropped: no connection at all within the timeout.
+    refused = {
+        "the job API from an API client": ("ingress", f"{dashboard}/api/jobs/"),
+        "the job API from another namespace": ("outsider", f"{dashboard}/api/jobs/"),
+        "the API from another namespace": ("outsider", api),
+        "the metrics from another namespace": ("outsider", metrics),
+        "the API from Prometheus": ("prometheus", api),
+        "the GCS from the operator": ("operator", f"http://{head.endpoint.ip}:{kuberay.GCS_PORT}/"),
+    }
+    codes = {why: cluster.curl(client, url) for why, (client, url) in refused.items()}
+    reached = {why: code for why, code in codes.items() if code != 0}
+    assert not reached, f"the NetworkPolicy let through: {reached}"
+    # The rules refuse them, not the network: without the head's, the outsider reaches its API.
+    head.endpoint.run("nft", "delete", "table", "inet", netpol.TABLE)
+    try:
+        assert cluster.curl("outsider", f"{dashboard}/api/version") != 0
+    finally:
+        head.endpoint.run("nft", "-f", "-", input=cluster.rulesets[head.plan.name])
+    assert cluster.curl("outsider", f"{dashboard}/api/version") == 0
+    # Egress: a pod reaches no address outside the release but DNS.
+    outsider = cluster.clients["outsider"]
+    server = outsider_server(cluster)
+    try:
+        done = workers[0].exec(
+            ["curl", "-s", "-o", "/dev/null", "-m", "3", f"http://{outsider.ip}:8081/"]
+        )
+        assert done.returncode == 28, f"a pod reached the outsider: exit {done.returncode}"
+        # The outsider's server works: another client namespace reaches it.
+        assert cluster.curl("ingress", f"http://{outsider.ip}:8081/") == 200
+    finally:
+        server.kill()
+
+
+def outsider_server(cluster):
+    import subprocess
+    import sys
+
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        cluster.clients["outsider"].netns,
+        sys.executable,
+        "-m",
+        "http.server",
+        "8081",
+        "--bind",
+        "0.0.0.0",
+    ]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+    deadline = time.monotonic() + 20
+    while cluster.curl("ingress", f"http://{cluster.clients['outsider'].ip}:8081/") != 200:
+        assert time.monotonic() < deadline, "the outsider's server did not start"
+        time.sleep(0.5)
+    return server
+
+
+def test_a_config_map_update_is_followed_by_every_pod_without_a_restart(cluster):
+    name, files = cluster.router_config()
+    config = yaml.safe_load(files["config.yaml"])
+    only = config["arms"][0]["name"]
+    changed = {
+        **config,
+        "arms": [{**a, "weight": 100 if a["name"] == only else 0} for a in config["arms"]],
+    }
+    pids = {n: [p.pid for p in pod.processes()] for n, pod in cluster.pods.items()}
+    try:
+        cluster.update_config_map(name, {"config.yaml": yaml.safe_dump(changed, sort_keys=False)})
+        deadline = time.monotonic() + 90
+        for pod in cluster.serving_pods():
+            while True:
+                answer = cluster.request(pod, stream=False)
+                if answer["arm"] == only and answer["revision"] != cluster.first_revision:
+                    break
+                assert time.monotonic() < deadline, f"{pod.plan.name} still routes with {answer}"
+                time.sleep(2)
+    finally:
+        cluster.update_config_map(name, files)
+    assert {n: [p.pid for p in pod.processes()] for n, pod in cluster.pods.items()} == pids
+
+
+def test_patching_one_arm_in_serve_config_redeploys_that_arm_only(cluster):
+    before = cluster.operator.applications()
+    document = cluster.current_serve_config()
+    patched_arm = document["applications"][-1]
+    engine = patched_arm["args"]["arm"].setdefault("engine", {})
+    engine["max_num_seqs"] = 8 if engine.get("max_num_seqs") != 8 else 16
+    cluster.operator.submit(document)
+    cluster.serve_config_now = document
+    deadline = time.monotonic() + kuberay.REDEPLOY_TIMEOUT_S
+    while True:  # Ray Serve takes the new config, then the arm's new replica runs
+        after = cluster.operator.applications()
+        changed = replica_ids(after, patched_arm["name"]) - replica_ids(before, patched_arm["name"])
+        if changed and after[patched_arm["name"]]["status"] == "RUNNING":
+            break
+        assert time.monotonic() < deadline, f"{patched_arm['name']} was not redeployed"
+        time.sleep(3)
+    for name in cluster.app_names() - {patched_arm["name"]}:
+        assert replica_ids(after, name) == replica_ids(before, name), f"{name} was redeployed"
+    answer = cluster.request(next(iter(cluster.pods.values())), stream=True)
+    assert answer["status"] == 200
+
+
+def replica_ids(applications: dict, name: str) -> set[str]:
+    deployments = applications[name]["deployments"].values()
+    return {r["replica_id"] for d in deployments for r in d["replicas"] if r["state"] == "RUNNING"}
+
+
+def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_path):
+    victim = cluster.busiest_worker()
+    moved = cluster.apps_on(victim)
+    urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
+    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
+    key, model = cluster.api_key(), cluster.model()
+    load = [
+        cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
+        for _ in range(2)
+    ]
+    try:
+        time.sleep(15)  # streams in flight through every pod, on every engine
+        cluster.terminating.add(victim.plan.name)  # out of the Service's endpoints first
+        urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
+        deleted_at = time.time()
+        took = victim.delete()
+        time.sleep(10)  # new requests once the pod is gone
+    finally:
+        stop.write_text("1")
+        for process in load:
+            process.wait(timeout=kuberay.REQUEST_TIMEOUT_S + 30)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    running_at_delete = [r for r in records if r["started"] < deleted_at < r["ended"]]
+    lost = [r for r in records if r["outcome"] != "ok"]
+    print(
+        f"deleted {victim.plan.name} (ran {sorted(moved)}): {took}; {len(records)} requests, "
+        f"{len(running_at_delete)} running when it was deleted; lost: {lost}"
+    )
+    assert running_at_delete, "no request was running when the pod was deleted"
+    assert not lost, f"requests lost to the deletion: {lost}"
+    assert took.get("pre_stop_s", 0) < victim.plan.grace_s
+    # Its replicas run on other pods now.
+    assert not cluster.apps_on(victim), "replicas are still placed on the deleted pod"
+    after = cluster.operator.applications()
+    assert all(after[app]["status"] == "RUNNING" for app in moved)
+    cluster.recreate(victim)  # KubeRay replaces the deleted pod

@@ -91,8 +91,10 @@ async def respond(
     included."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline) as limit:
             first = await anext(generator)
+        if limit.expired():  # vLLM caught the cancellation and answered "Client disconnected"
+            raise TimeoutError
     except TimeoutError:
         await _close(generator)
         raise OpenAIError(504, f"no response from the model within {timeout_s:g} s") from None
@@ -136,8 +138,10 @@ async def _stream(
                     done_sent = True
                 yield text
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(deadline) as limit:
                     item = await anext(rest)
+                if limit.expired():  # the engine caught the cancellation and answered
+                    raise TimeoutError
             except StopAsyncIteration:
                 break
         if not done_sent:

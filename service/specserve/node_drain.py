@@ -9,9 +9,9 @@ through the pod's HTTP proxy, and those its engines are generating, end with the
    those it holds finish (router/arm_states.py reads the mark).
 2. A worker node is also drained in Ray itself (reason: preemption, with the pod's deadline): Ray
    schedules nothing new there, and Ray Serve starts a replacement of each replica on the node
-   elsewhere and stops the old one once the replacement runs, its requests finished. The head is
-   never drained in Ray: its deletion ends the cluster, and a drained head stops scheduling the
-   Serve controller's work.
+   elsewhere and stops the old one, gracefully: an arm's replica finishes the requests it holds
+   (engine/arm.py's graceful shutdown). The head is never drained in Ray: its deletion ends the
+   cluster, and a drained head stops scheduling the Serve controller's work.
 3. The command waits until no Serve replica is left on the node (Ray Serve stops each once its
    replacement runs and its own requests have finished, within the arm's graceful shutdown) and
    the requests through this node's HTTP proxy are done (the router's in-flight gauge on this

@@ -165,6 +165,7 @@ class RenderedCluster:
         self.wait_probe(
             fresh, [startup["command"]] if startup else pod.plan.liveness_commands(), "startup"
         )
+        self.wait_probe(fresh, pod.plan.readiness_commands(), "readiness")
         return fresh
 
     def arm_names(self) -> set[str]:

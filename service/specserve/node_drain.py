@@ -100,6 +100,9 @@ def wait_for_zero(
         zeros = zeros + 1 if last == 0 else 0
         if zeros >= 2:
             break
+        if last is None:  # nothing answers on the node any more: its Ray has stopped
+            logger.warning("cannot read the %s on this node; not waiting for them", what)
+            break
         logger.info("waiting for %s %s on this node", last, what)
         time.sleep(POLL_S)
         last = read()

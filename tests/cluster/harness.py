@@ -165,7 +165,8 @@ class RenderedCluster:
         self.wait_probe(
             fresh, [startup["command"]] if startup else pod.plan.liveness_commands(), "startup"
         )
-        self.wait_probe(fresh, pod.plan.readiness_commands(), "readiness")
+        # Not Ready until Ray Serve runs a proxy there (a replica lands on it): KubeRay's
+        # readiness probe of a RayService worker checks the proxy.
         return fresh
 
     def arm_names(self) -> set[str]:
@@ -192,6 +193,10 @@ class RenderedCluster:
             else:
                 raise NotImplementedError(f"env {item['name']}: {source}")
         return env
+
+    @property
+    def head(self) -> Pod:
+        return next(p for p in self.pods.values() if p.plan.head)
 
     def app_names(self) -> set[str]:
         return {app["name"] for app in self.rendered.serve_config["applications"]}

@@ -258,10 +258,20 @@ class Operator:
         status, text = self._curl("PUT", "/api/serve/applications/", json.dumps(serve_config))
         assert status == 200, f"serveConfigV2 refused: {status} {text[:500]}"
 
-    def applications(self) -> dict[str, Any]:
+    def details(self) -> dict[str, Any]:
+        """Serve's details: the applications and the HTTP proxies."""
         status, text = self._curl("GET", "/api/serve/applications/")
         assert status == 200, f"{status} {text[:300]}"
-        return json.loads(text).get("applications") or {}
+        return json.loads(text)
+
+    def applications(self) -> dict[str, Any]:
+        return self.details().get("applications") or {}
+
+    def proxy_ips(self) -> set[str]:
+        """Addresses of the nodes that run a Serve HTTP proxy: the head and every node with a
+        replica."""
+        proxies = (self.details().get("proxies") or {}).values()
+        return {p["node_ip"] for p in proxies if p.get("status") == "HEALTHY"}
 
     def wait_running(self, names: set[str], *, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s

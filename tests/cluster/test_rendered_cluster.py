@@ -16,15 +16,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_pod_passes_its_rendered_and_kuberay_probes(cluster):
+    proxies = cluster.operator.proxy_ips()
+    assert cluster.head.endpoint.ip in proxies
     for pod in cluster.pods.values():
         startup = (pod.plan.container.get("startupProbe") or {}).get("exec")
         ok, why = pod.probe([startup["command"]] if startup else [])
         assert ok, f"{pod.plan.name} startup: {why}"
         ok, why = pod.probe(pod.plan.liveness_commands())
         assert ok, f"{pod.plan.name} liveness: {why}"
-        # kubelet runs the readiness probe every few seconds; a new pod's Serve proxy starts a
-        # little after Ray Serve sees its node.
-        cluster.wait_probe(pod, pod.plan.readiness_commands(), "readiness", timeout_s=90)
+        if pod.endpoint.ip in proxies:  # kubelet probes readiness every few seconds
+            cluster.wait_probe(pod, pod.plan.readiness_commands(), "readiness", timeout_s=60)
+        else:  # a worker with no replica runs no proxy: not an endpoint of the API Service
+            assert not pod.probe(pod.plan.readiness_commands())[0]
 
 
 def test_the_api_serves_plain_and_streamed_requests_with_a_key_through_every_pod(cluster):
@@ -128,6 +131,7 @@ def test_a_config_map_update_is_followed_by_every_pod_without_a_restart(cluster)
     assert {n: [p.pid for p in pod.processes()] for n, pod in cluster.pods.items()} == pids
 
 
+@pytest.mark.disruptive
 def test_patching_one_arm_in_serve_config_redeploys_that_arm_only(cluster):
     before = cluster.operator.applications()
     document = cluster.current_serve_config()
@@ -155,6 +159,7 @@ def replica_ids(applications: dict, name: str) -> set[str]:
     return {r["replica_id"] for d in deployments for r in d["replicas"] if r["state"] == "RUNNING"}
 
 
+@pytest.mark.disruptive
 def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_path):
     victim = cluster.busiest_worker()
     moved = cluster.apps_on(victim)
@@ -163,7 +168,7 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
     key, model = cluster.api_key(), cluster.model()
     load = [
         cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
-        for _ in range(2)
+        for _ in range(3)
     ]
     try:
         time.sleep(15)  # streams in flight through every pod, on every engine
@@ -171,7 +176,12 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
         urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
         deleted_at = time.time()
         took = victim.delete()
-        time.sleep(10)  # new requests once the pod is gone
+        # New requests once the pod is gone, until its arms run again elsewhere, and a while on.
+        deadline = time.monotonic() + kuberay.REDEPLOY_TIMEOUT_S
+        while not all(a["status"] == "RUNNING" for a in cluster.operator.applications().values()):
+            assert time.monotonic() < deadline, "the deleted pod's arms did not run again"
+            time.sleep(3)
+        time.sleep(10)
     finally:
         stop.write_text("1")
         for process in load:
@@ -181,9 +191,12 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
     lost = [r for r in records if r["outcome"] != "ok"]
     print(
         f"deleted {victim.plan.name} (ran {sorted(moved)}): {took}; {len(records)} requests, "
-        f"{len(running_at_delete)} running when it was deleted; lost: {lost}"
+        f"{len(running_at_delete)} running when it was deleted, "
+        f"{len([r for r in records if r['started'] > deleted_at])} sent after; lost: {lost}"
     )
+    after_delete = [r for r in records if r["started"] > deleted_at + took["total_s"]]
     assert running_at_delete, "no request was running when the pod was deleted"
+    assert after_delete, "no request was sent after the pod was gone"
     assert not lost, f"requests lost to the deletion: {lost}"
     assert took.get("pre_stop_s", 0) < victim.plan.grace_s
     # Its replicas run on other pods now.
@@ -191,3 +204,48 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
     after = cluster.operator.applications()
     assert all(after[app]["status"] == "RUNNING" for app in moved)
     cluster.recreate(victim)  # KubeRay replaces the deleted pod
+
+
+def test_a_real_prometheus_in_the_monitoring_namespace_scrapes_every_pod(cluster, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus is not installed")
+    targets = [f"{p.endpoint.ip}:{kuberay.METRICS_PORT}" for p in cluster.pods.values()]
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 2s}\n"
+        f"scrape_configs:\n  - job_name: pods\n    static_configs: [{{targets: {targets}}}]\n"
+    )
+    (tmp_path / "data").mkdir()
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.clients["prometheus"].netns, "prometheus",
+         f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         "--web.listen-address=127.0.0.1:9090"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline, up = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            up = query(cluster, "up")
+            if len(up) == len(targets) and all(v == 1 for v in up.values()):
+                break
+            time.sleep(2)
+        assert up == dict.fromkeys(targets, 1.0), f"Prometheus's view of the pods: {up}"
+        # The router's and the engines' series arrive through the same ports.
+        assert query(cluster, "ray_specserve_requests_total"), "no router metrics scraped"
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def query(cluster, expression: str) -> dict[str, float]:
+    """{instance: value} of an instant query to the Prometheus in the monitoring namespace."""
+    done = cluster.clients["prometheus"].run(
+        "curl", "-s", "-m", "5", "--data-urlencode", f"query={expression}",
+        "http://127.0.0.1:9090/api/v1/query",
+    )  # fmt: skip
+    if done.returncode != 0 or not done.stdout:
+        return {}
+    result = json.loads(done.stdout).get("data", {}).get("result", [])
+    return {r["metric"].get("instance", ""): float(r["value"][1]) for r in result}

@@ -325,6 +325,9 @@ def test_every_ray_pod_drains_before_kubelet_stops_it(profile, timeout_s):
             assert command[:3] == ["specserve", "drain-node", "--within-s"]
             within = int(command[3])
             assert request_timeout_s <= within < grace
+            # The proxy of a node whose replicas left lives on for the dispatch's requests.
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert float(env["RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"]) >= request_timeout_s
     validate_all(objs)
 
 

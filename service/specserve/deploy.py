@@ -58,6 +58,12 @@ class DeployError(RuntimeError):
     pass
 
 
+def starts_local_cluster(settings: Settings) -> bool:
+    """Whether `connect` starts a Ray cluster here: no address to join, and no cluster this
+    process runs already."""
+    return not settings.ray_address and not ray.is_initialized()
+
+
 class Platform:
     def __init__(self, settings: Settings) -> None:
         check_exposure(settings)
@@ -81,7 +87,7 @@ class Platform:
         """What `specserve serve` checks before anything starts, each at once: that Ray and
         vLLM are the versions its private hooks were written for, and, for a local cluster,
         that its ports are free (another `specserve serve` on this machine holds them)."""
-        local = not self.settings.ray_address and not ray.is_initialized()
+        local = starts_local_cluster(self.settings)
         try:
             versions.require(versions.RAY)
             if local and _cpu_engines():  # the engines' fixes check the rest as they start

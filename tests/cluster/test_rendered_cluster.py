@@ -194,9 +194,11 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
         f"{len(running_at_delete)} running when it was deleted, "
         f"{len([r for r in records if r['started'] > deleted_at])} sent after; lost: {lost}"
     )
-    after_delete = [r for r in records if r["started"] > deleted_at + took["total_s"]]
+    # New requests go to the other pods: the deleted one left the Service's endpoints first.
+    after_delete = [r for r in records if r["started"] > deleted_at]
+    assert all(r["pod_url"] != cluster.api_url(victim) for r in after_delete)
     assert running_at_delete, "no request was running when the pod was deleted"
-    assert after_delete, "no request was sent after the pod was gone"
+    assert after_delete, "no request was sent after the pod's deletion began"
     assert not lost, f"requests lost to the deletion: {lost}"
     assert took.get("pre_stop_s", 0) < victim.plan.grace_s
     # Its replicas run on other pods now.

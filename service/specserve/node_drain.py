@@ -72,15 +72,19 @@ def proxy_in_flight(metrics_url: str) -> float | None:
         return None
 
 
-def replicas_on(node_id: str) -> int:
-    """Serve replicas alive on a node (Ray's state API)."""
+def replicas_on(node_id: str) -> int | None:
+    """Serve replicas alive on a node (Ray's state API); None if it cannot be read."""
     from ray.util.state import list_actors
 
-    alive = list_actors(
-        filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")],
-        limit=10_000,
-        raise_on_missing_output=False,
-    )
+    try:
+        alive = list_actors(
+            filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")],
+            limit=10_000,
+            raise_on_missing_output=False,
+        )
+    except Exception:  # the head's dashboard is unreachable: a preStop must still end
+        logger.exception("cannot list the actors on node %s", node_id)
+        return None
     return sum(1 for actor in alive if actor.class_name.startswith(REPLICA_CLASS_PREFIX))
 
 
@@ -146,10 +150,10 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
         )
         replicas = 0
         if drained_in_ray:
-            replicas = int(
-                wait_for_zero(lambda: replicas_on(node_id), "Serve replica(s)", deadline=deadline)
-                or 0
+            left = wait_for_zero(
+                lambda: replicas_on(node_id), "Serve replica(s)", deadline=deadline
             )
+            replicas = int(left or 0)
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         last = wait_for_zero(
             lambda: proxy_in_flight(url),

@@ -359,6 +359,20 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     items.sort(key=run_phase)
 
 
+@pytest.fixture
+def fresh_serve_process(monkeypatch):
+    """The test process as a fresh `specserve serve` sees it, though it may run the session's
+    platform: a local cluster is to be started, and starting Ray fails the test."""
+    from specserve import deploy
+
+    monkeypatch.setattr(deploy, "starts_local_cluster", lambda settings: True)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(deploy.ray, "init", no_ray)
+
+
 @contextmanager
 def own_ray_cluster(**init_args) -> Iterator[None]:
     """A local Ray cluster for one test (marked `own_cluster`), ended after it. Refused where

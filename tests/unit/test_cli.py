@@ -126,18 +126,9 @@ def held_port():
 
 
 @pytest.fixture
-def platform_config(tmp_path, monkeypatch):
-    """A config to serve, and a process that looks fresh to `specserve serve` (the test process
-    may run the session's platform); starting Ray fails the test."""
-    from specserve import deploy
+def platform_config(tmp_path, fresh_serve_process):
+    """A config to serve, in a process that looks fresh to `specserve serve`."""
     from tests.conftest import render_config
-
-    monkeypatch.setattr(deploy, "starts_local_cluster", lambda settings: True)
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(deploy.ray, "init", no_ray)
 
     config = tmp_path / "config.yaml"
     config.write_text(render_config())

@@ -138,18 +138,10 @@ def test_the_vllm_fixes_refuse_to_patch_another_vllm(monkeypatch):
 
 
 @pytest.fixture
-def platform(tmp_path, monkeypatch):
-    """A local platform, not started, on free ports, as a fresh `specserve serve` process sees it
-    (the test process may run the session's platform): starting Ray fails the test."""
-    from specserve import deploy
+def platform(tmp_path, fresh_serve_process):
+    """A local platform, not started, on free ports, in a process that looks fresh to
+    `specserve serve`."""
     from specserve.deploy import Platform
-
-    monkeypatch.setattr(deploy, "starts_local_cluster", lambda settings: True)
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(deploy.ray, "init", no_ray)
     from specserve.settings import Settings
     from tests.conftest import free_port, render_config
 

@@ -36,6 +36,8 @@ from specserve.serve_config import (
     PROXY_HOOK_ENV,
     ROUTER_APP_NAME,
     ROUTER_DRAIN_S,
+    WORKER_NICENESS,
+    WORKER_NICENESS_ENV,
     app_status_text,
     draining_router,
     serve_config,
@@ -117,6 +119,7 @@ class Platform:
                 # Every process of the local cluster inherits this: the HTTP proxy loads the
                 # dispatch, which routes the requests (router/dispatch.py).
                 os.environ[PROXY_HOOK_ENV] = PROXY_HOOK
+                os.environ.setdefault(WORKER_NICENESS_ENV, WORKER_NICENESS)
                 ray.init(
                     num_cpus=s.ray_num_cpus,
                     include_dashboard=False,

@@ -19,6 +19,8 @@ from specserve.serve_config import (
     MOUNTED_KEYS_DIR,
     PROXY_HOOK,
     PROXY_HOOK_ENV,
+    WORKER_NICENESS,
+    WORKER_NICENESS_ENV,
     serve_config,
 )
 from tests.deploy.conftest import (
@@ -141,6 +143,15 @@ def test_every_ray_container_loads_the_dispatch_into_its_http_proxy(rendered):
         for container in pod["containers"]:
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert env[PROXY_HOOK_ENV] == PROXY_HOOK, container["name"]
+
+
+def test_every_ray_container_runs_its_workers_at_normal_priority(rendered):
+    """The engines and proxies are the pod's work, not below Ray's daemons (Ray's nice 15)."""
+    _, objs = rendered
+    for pod in pod_specs(objs):
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env[WORKER_NICENESS_ENV] == WORKER_NICENESS, container["name"]
 
 
 def test_pods_pass_the_restricted_pod_security_profile(rendered):

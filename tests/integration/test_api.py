@@ -2,6 +2,7 @@
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from specserve import headers
@@ -92,3 +93,22 @@ def test_stream_arrives_token_by_token(live):
     assert len(arrivals) >= 20
     spread = arrivals[-1] - arrivals[0]
     assert spread > 0.2, f"all chunks arrived within {spread:.3f} s: buffered"
+
+
+def test_the_platform_s_workers_run_at_normal_priority(live):
+    """Ray starts its workers at nice 15 unless told otherwise; the engines, the HTTP proxy (with
+    the dispatch) and the replicas are the platform's work and run at nice 0 (deploy.py)."""
+    from specserve.deploy import local_cluster_processes
+
+    roles = {"ray::ProxyActor": [], "ray::ServeReplica:arm-": [], "VLLM::Worker": []}
+    for process in local_cluster_processes():
+        try:
+            cmdline = " ".join(process.cmdline())
+            nice = process.nice()
+        except psutil.Error:
+            continue
+        for marker, found in roles.items():
+            if cmdline.startswith(marker):
+                found.append(nice)
+    assert all(roles.values()), roles  # each kind of worker was found
+    assert all(nice == 0 for found in roles.values() for nice in found), roles

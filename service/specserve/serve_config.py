@@ -61,8 +61,8 @@ PROXY_HOOK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_HOOK = "specserve.router.dispatch:middlewares"
 # Ray starts its workers (the engines, the HTTP proxies, the replicas) at nice 15, below Ray's own
 # daemons and whatever else shares the CPUs: a serving node's workers are its work. At nice 0 the
-# platform's cost against vLLM's own server fell from +20 to +9 ms per request and from +4-9 % to
-# none per streamed token (BENCHMARKS.md, "The platform's own cost").
+# platform's cost against vLLM's own server fell from +21 to +10 ms per request and from 7-16 % to
+# 0-4 % per streamed token on 2 cores (BENCHMARKS.md, "The platform's own cost").
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 WORKER_NICENESS = "0"
 # Where the chart mounts the router config (a ConfigMap) in every Ray pod.

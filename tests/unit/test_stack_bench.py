@@ -109,3 +109,25 @@ def test_samples_in_native_code_are_told_apart_from_unknown_python():
     # The engine client in the replica is not the engine's step.
     client = [*thread, "AsyncMPClient.get_output_async (vllm/v1/engine/core_client.py:900)"]
     assert part_of(client) != "engine step"
+
+
+def test_the_rest_of_ray_is_named_by_actor_or_script_and_summed_as_one():
+    from specserve.bench.stack_profile import OTHER_RAY, _cpu_of, other_role
+
+    assert other_role("ray::ServeReplica:specserve:router") == "Ray: ServeReplica:specserve:router"
+    assert other_role("/venv/bin/python -u /x/ray/_private/log_monitor.py --a") == (
+        "Ray: log_monitor.py"
+    )
+    assert other_role("/venv/lib/ray/core/src/ray/raylet/raylet --x") == "Ray: raylet"
+    result = {
+        "cpu_ms_per_unit": {
+            "HTTP proxy": 2.0,
+            "engine core": 40.0,
+            "engine worker": 50.0,
+            "Ray: raylet": 1.0,
+            "Ray: log_monitor.py": 0.5,
+            "specserve serve (driver)": 0.25,
+        }
+    }
+    assert _cpu_of(result, "HTTP proxy") == 2.0
+    assert _cpu_of(result, OTHER_RAY) == 1.75

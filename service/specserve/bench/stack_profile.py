@@ -133,11 +133,23 @@ def path_processes(server: Server) -> dict[str, list[psutil.Process]]:
             cmdline = " ".join(process.cmdline())
         except psutil.Error:
             continue
-        role = next((r for r, marker in ROLES if marker in cmdline), OTHER_RAY)
+        role = next((r for r, marker in ROLES if marker in cmdline), None) or other_role(cmdline)
         if process.pid == top.pid:
             role = VLLM_API if server.name == VLLM else "specserve serve (driver)"
         found.setdefault(role, []).append(process)
     return found
+
+
+def other_role(cmdline: str) -> str:
+    """`Ray: NAME` for the rest of Ray's processes: the actor's or daemon's name, or the script a
+    Python process runs (log monitor, dashboard, ...)."""
+    words = cmdline.split()
+    if not words:
+        return OTHER_RAY
+    if words[0].startswith("ray::"):
+        return f"Ray: {words[0].removeprefix('ray::')}"
+    script = next((w for w in words[1:] if w.endswith(".py")), words[0])
+    return f"Ray: {Path(script).name}"
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -234,6 +246,46 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The processes in front of the engine, stacked in the plot; the rest of Ray's in one.
+FRONT_ROLES = ("HTTP proxy", "arm replica", VLLM_API, "Serve controller")
+ENGINE_ROLES = ("engine core", "engine worker")
+
+
+def _cpu_of(result: dict[str, Any], role: str) -> float:
+    cpu = result["cpu_ms_per_unit"]
+    if role != OTHER_RAY:
+        return float(cpu.get(role, 0.0))
+    known = {*FRONT_ROLES, *ENGINE_ROLES}
+    return float(sum(v for r, v in cpu.items() if r not in known))
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> Path:
+    """CPU ms per request and per streamed token of the processes in front of the engine, a
+    stacked bar per server and phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for ax, phase in zip(axes, (REQUESTS, STREAMS), strict=True):
+        rows = [r for r in results if r["phase"] == phase]
+        names = [r["server"] for r in rows]
+        left = [0.0] * len(rows)
+        for role in (*FRONT_ROLES, OTHER_RAY):
+            widths = [_cpu_of(r, role) for r in rows]
+            ax.barh(names, widths, left=left, label=role)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        ax.invert_yaxis()
+        ax.set_xlabel(f"CPU ms per {UNITS[phase]}, outside the engine")
+        ax.set_title(phase, fontsize=9)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=30, help="96-token streams per server")
@@ -269,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {machine()}")
         print(markdown(results))
         (out / "stack-profile.json").write_text(json.dumps(results, indent=1))
+        print(f"plot: {plot(results, out / 'stack-profile.png')}")
     return 0
 
 

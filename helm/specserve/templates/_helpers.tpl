@@ -282,13 +282,13 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 # straight to the chosen arm's replicas.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: specserve.router.dispatch:middlewares
-# A node whose last replica left (a drained pod) keeps its HTTP proxy while a request may still
-# run through it: Ray Serve ends such a proxy once it has no requests of its own, and the
-# dispatch's requests bypass that count (the pod's preStop waits for them instead).
 # Ray starts its workers (engines, proxies, replicas) at nice 15, below its own daemons: here
 # they are the pod's work.
 - name: RAY_worker_niceness
   value: "0"
+# A node whose last replica left (a drained pod) keeps its HTTP proxy while a request may still
+# run through it: Ray Serve ends such a proxy once it has no requests of its own, and the
+# dispatch's requests bypass that count (the pod's preStop waits for them instead).
 - name: RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S
   value: {{ .Values.config.limits.request_timeout_s | quote }}
 {{- if and .Values.modelCache.enabled $engines }}

@@ -42,6 +42,7 @@ import yaml
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.bench.router_overhead import percentile
 from specserve.hardware import cpu_flags, fast_dtype
 from specserve.settings import DEFAULT_CONFIG_PATH
 
@@ -213,11 +214,6 @@ async def stream(client: httpx.AsyncClient, server: Server, model: str) -> Strea
         raise RuntimeError(f"{server.name}: a stream without content")
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return Stream(arrivals[0] - start, gaps, len(arrivals), arrivals[-1] - start)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def alternated(n: int) -> Iterator[tuple[int, bool]]:

@@ -118,7 +118,8 @@ def test_the_rest_of_ray_is_named_by_actor_or_script_and_summed_as_one():
     assert other_role("/venv/bin/python -u /x/ray/_private/log_monitor.py --a") == (
         "Ray: log_monitor.py"
     )
-    assert other_role("/venv/lib/ray/core/src/ray/raylet/raylet --x") == "Ray: raylet"
+    raylet = "/venv/lib/ray/core/src/ray/raylet/raylet --python_worker_command=x/setup_worker.py"
+    assert other_role(raylet) == "Ray: raylet"
     result = {
         "cpu_ms_per_unit": {
             "HTTP proxy": 2.0,

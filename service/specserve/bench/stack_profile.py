@@ -148,8 +148,10 @@ def other_role(cmdline: str) -> str:
         return OTHER_RAY
     if words[0].startswith("ray::"):
         return f"Ray: {words[0].removeprefix('ray::')}"
-    script = next((w for w in words[1:] if w.endswith(".py")), words[0])
-    return f"Ray: {Path(script).name}"
+    program = Path(words[0]).name
+    if program.startswith("python"):
+        program = Path(next((w for w in words[1:] if w.endswith(".py")), program)).name
+    return f"Ray: {program}"
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:

@@ -132,3 +132,15 @@ def test_the_rest_of_ray_is_named_by_actor_or_script_and_summed_as_one():
     }
     assert _cpu_of(result, "HTTP proxy") == 2.0
     assert _cpu_of(result, OTHER_RAY) == 1.75
+
+
+def test_every_platform_process_gets_its_role_by_its_ray_title():
+    from specserve.bench.stack_profile import ROLES
+
+    def role(title: str) -> str | None:
+        return next((r for r, marker in ROLES if marker in title), None)
+
+    assert role("ray::ServeReplica:specserve:router") == "router app"
+    assert role("ray::ServeReplica:arm-no-spec:arm-no-spec") == "arm replica"
+    assert role("ray::ProxyActor.receive_asgi_messages") == "HTTP proxy"
+    assert role("VLLM::Worker") == "engine worker"

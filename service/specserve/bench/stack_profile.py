@@ -41,16 +41,17 @@ from specserve.bench.stack_overhead import (
     stream,
     write_config,
 )
+from specserve.serve_config import ARM_APP_PREFIX, ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME
 from specserve.settings import DEFAULT_CONFIG_PATH
 
 # A process's role on the path, by its command line (first match). vLLM's CPU engine runs in two
 # processes: the engine core (scheduling, output) and its worker (the forward passes).
 ROLES = (
     ("HTTP proxy", "ProxyActor"),
-    ("arm replica", "ServeReplica:arm-"),
+    ("arm replica", f"ServeReplica:{ARM_APP_PREFIX}"),
     ("engine worker", "VLLM::Worker"),
     ("engine core", "EngineCore"),
-    ("router app", "ServeReplica:router"),
+    ("router app", f"ServeReplica:{ROUTER_APP_NAME}:{ROUTER_DEPLOYMENT_NAME}"),
     ("Serve controller", "ServeController"),
 )
 PROFILED = ("HTTP proxy", "arm replica", "API server")

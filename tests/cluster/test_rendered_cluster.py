@@ -43,9 +43,14 @@ def test_the_api_serves_plain_and_streamed_requests_with_a_key_through_every_pod
 
 def test_the_network_policy_lets_through_what_is_needed_and_nothing_else(cluster):
     head, *workers = cluster.pods.values()
+    # A worker with a replica: one without runs no proxy, so its API port would refuse any client
+    # and the drops below would prove nothing.
+    proxies = cluster.operator.proxy_ips()
+    worker = next((w for w in workers if w.endpoint.ip in proxies), None)
+    assert worker, f"no worker runs a Serve proxy: {proxies}"
     dashboard = f"http://{head.endpoint.ip}:{kuberay.DASHBOARD_PORT}"
-    api = f"http://{workers[0].endpoint.ip}:{kuberay.SERVE_PORT}/v1/models"
-    metrics = f"http://{workers[0].endpoint.ip}:{kuberay.METRICS_PORT}/metrics"
+    api = f"http://{worker.endpoint.ip}:{kuberay.SERVE_PORT}/v1/models"
+    metrics = f"http://{worker.endpoint.ip}:{kuberay.METRICS_PORT}/metrics"
     # What Ray, the API, KubeRay and Prometheus need (Ray itself: the cluster runs at all). A
     # proxy's first request waits for its dispatch's first read of what runs (seconds on a busy
     # machine): what passes is given time to answer, what is dropped is not.
@@ -76,7 +81,7 @@ def test_the_network_policy_lets_through_what_is_needed_and_nothing_else(cluster
     outsider = cluster.clients["outsider"]
     server = outsider_server(cluster)
     try:
-        done = workers[0].exec(
+        done = worker.exec(
             ["curl", "-s", "-o", "/dev/null", "-m", "3", f"http://{outsider.ip}:8081/"]
         )
         assert done.returncode == 28, f"a pod reached the outsider: exit {done.returncode}"

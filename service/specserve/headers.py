@@ -19,6 +19,8 @@ RETRY_AFTER = "retry-after"
 # values are replaced or removed.
 # Request: seconds the arm may take for the whole request (the config's `request_timeout_s`).
 REQUEST_TIMEOUT_S = "x-specserve-request-timeout-s"
+# Request: where a stream cut by a dying replica stands, for the arm to resume it (wire/resume.py).
+RESUME_FROM = "x-specserve-resume-from"
 # Response: the token count and speculative-decoding stats of a non-streaming answer, which the
 # dispatch records and removes (a stream carries them in its final usage chunk).
 USAGE = "x-specserve-usage"

@@ -109,6 +109,7 @@ ARM_RUNNING = f"{PREFIX}_arm_running"
 ARM_DRAINED = f"{PREFIX}_arm_drained"
 GUARDRAIL_DRAINS = f"{PREFIX}_guardrail_drains"
 ENGINE_RETRIES = f"{PREFIX}_engine_retries"
+STREAMS_RESUMED = f"{PREFIX}_streams_resumed"
 REQUESTS_IN_FLIGHT = f"{PREFIX}_requests_in_flight"
 CONFIG_INFO = f"{PREFIX}_config_info"
 CONFIG_RELOADS = f"{PREFIX}_config_reloads"
@@ -129,6 +130,7 @@ COUNTERS = (
     CONFIG_RELOADS,
     GUARDRAIL_DRAINS,
     ENGINE_RETRIES,
+    STREAMS_RESUMED,
     REQUEST_STAT_COUNT,
     REQUEST_STAT_SUM,
     REQUEST_STAT_SQUARES,
@@ -267,6 +269,12 @@ class RouterMetrics:
             "anything.",
             arm,
         )
+        self.streams_resumed = Counter(
+            STREAMS_RESUMED,
+            "Streams resumed from where they stood because the arm's engine replica failed "
+            "mid-stream.",
+            arm,
+        )
         self.requests_in_flight = Gauge(
             REQUESTS_IN_FLIGHT,
             "Requests the router (the dispatch in one HTTP proxy) has started and not finished, "
@@ -342,6 +350,9 @@ class RouterMetrics:
 
     def count_retry(self, arm: str) -> None:
         self.engine_retries.inc(1, self._tags(arm))
+
+    def count_resume(self, arm: str) -> None:
+        self.streams_resumed.inc(1, self._tags(arm))
 
     def set_last_reload(self, *, ok: bool) -> None:
         self._last_reload_ok = ok

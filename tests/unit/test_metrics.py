@@ -63,6 +63,8 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.observe_spec_decode("a", stats)
     metrics.count_drain("a")
     metrics.count_retry("a")
+    metrics.count_resume("a")
+    metrics.count_resume("a")
     metrics.count_auth("team-a", m.AUTH_ACCEPTED)
     metrics.count_auth(m.NO_KEY, m.AUTH_INVALID)
     metrics.count_key_tokens("team-a", 7)
@@ -98,6 +100,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.GUARDRAIL_DRAINS + "_total", arm="a") == 1
     assert value(m.ARM_DRAINED, arm="a") == 1
     assert value(m.ENGINE_RETRIES + "_total", arm="a") == 1
+    assert value(m.STREAMS_RESUMED + "_total", arm="a") == 2
     assert value(m.API_KEY_REQUESTS + "_total", key="team-a", result="accepted") == 1
     assert value(m.API_KEY_REQUESTS + "_total", key="-", result="invalid") == 1
     assert value(m.API_KEY_OUTPUT_TOKENS + "_total", key="team-a") == 7

@@ -6,7 +6,9 @@ in process: a stream passes through chunk by chunk and always ends with the usag
 token count and vLLM's per-request speculative-decoding stats, which the dispatch records and
 drops when the client did not ask for usage); a non-streaming answer carries the same in an
 internal header. Every answer names the arm, which is how the dispatch tells the arm's answers
-from Ray Serve's own. The request's time limit comes from the dispatch.
+from Ray Serve's own. The request's time limit comes from the dispatch, and so does the resume
+point of a stream whose first replica died mid-way: the front then streams the rest of that
+answer as the continuation of the first stream (wire/resume.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from specserve.wire.errors import (
     request_id,
 )
 from specserve.wire.requests import CHAT, COMPLETIONS, PATHS, parse_body
+from specserve.wire.resume import ResumedStream, ResumePoint, continue_request
 from specserve.wire.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -76,19 +79,48 @@ class ArmServer(LLMServer):
                 # validated ones can hold one-shot pydantic iterators.
                 body.messages = data["messages"]
             timeout_s = float(request.headers.get(headers.REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S))
+            resumed = await self._resume(request.headers.get(headers.RESUME_FROM), body, endpoint)
             # LLMServer.chat / .completions: the replica's engine, in this process.
             generator = await getattr(self, endpoint)(body, None)
-            return await respond(generator, body, answer_headers, timeout_s)
+            return await respond(generator, body, answer_headers, timeout_s, resumed)
         except OpenAIError as exc:
             exc.headers = {**answer_headers, **(exc.headers or {})}  # the arm answered
             raise
 
+    async def _resume(self, value: str | None, body: Any, endpoint: str) -> ResumedStream | None:
+        """A stream the dispatch resumes after its first replica died: the request turned into
+        the rest of its answer (wire/resume.py)."""
+        if value is None:
+            return None
+        point = ResumePoint.from_header(value)
+        if not getattr(body, "stream", False):
+            raise OpenAIError(400, "only a stream can be resumed")
+        prior_tokens = 0
+        if point.text:
+            # The engine's own tokenizer (LLMServer.tokenize is unavailable with vLLM 0.32: Ray
+            # Serve LLM 2.60 looks its tokenization service up under an older name).
+            client = getattr(self.engine, "_engine_client", None)
+            if client is None:
+                logger.error("request %s: no tokenizer to resume a stream with", request_id())
+                raise OpenAIError(503, "the stream cannot be resumed here", code="no_tokenizer")
+            # On the event loop: once per resumed stream (a thread could meet a Rust tokenizer
+            # that the engine is using at the same time).
+            ids = client.get_tokenizer().encode(point.text, add_special_tokens=False)
+            prior_tokens = len(ids)
+        continue_request(body, endpoint, point, prior_tokens)
+        logger.info("request %s: resuming a stream after %d tokens", request_id(), prior_tokens)
+        return ResumedStream(point, endpoint, prior_tokens)
+
 
 async def respond(
-    generator: AsyncIterator[Any], body: Any, answer_headers: dict[str, str], timeout_s: float
+    generator: AsyncIterator[Any],
+    body: Any,
+    answer_headers: dict[str, str],
+    timeout_s: float,
+    resumed: ResumedStream | None = None,
 ) -> Response:
     """The HTTP response for the engine's output; `timeout_s` bounds the whole request, a stream
-    included."""
+    included; a resumed stream's events continue the stream it resumes."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         async with asyncio.timeout_at(deadline) as limit:
@@ -117,14 +149,18 @@ async def respond(
             headers={**answer_headers, headers.USAGE: json.dumps(usage)},
         )
     return StreamingResponse(
-        _stream(first, generator, deadline, timeout_s),
+        _stream(first, generator, deadline, timeout_s, resumed),
         media_type="text/event-stream",
         headers=answer_headers,
     )
 
 
 async def _stream(
-    first: Any, rest: AsyncIterator[Any], deadline: float, timeout_s: float
+    first: Any,
+    rest: AsyncIterator[Any],
+    deadline: float,
+    timeout_s: float,
+    resumed: ResumedStream | None = None,
 ) -> AsyncIterator[str]:
     """Pass the stream through. It always ends with `[DONE]`; one cut short (timeout, a failed
     engine) ends with an OpenAI error event first, never silently."""
@@ -136,7 +172,10 @@ async def _stream(
                 text = event if isinstance(event, str) else f"data: {event.model_dump_json()}\n\n"
                 if text.startswith(_SSE_DONE):
                     done_sent = True
-                yield text
+                elif resumed is not None:
+                    text = resumed.rewrite(text)
+                if text:
+                    yield text
             try:
                 async with asyncio.timeout_at(deadline) as limit:
                     item = await anext(rest)

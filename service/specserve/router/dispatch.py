@@ -8,8 +8,9 @@ straight to a replica of the arm, which validates the schema and serves it from 
 (engine/front.py). There is no router replica between proxy and arm: that hop cost 2-5 ms.
 On the way back the dispatch names the arm and config revision in the response headers, records
 the request in the per-arm metrics (latency, tokens, acceptance, outcome), feeds the acceptance
-guardrail, replays a request once whose arm replica died before answering, and turns Ray Serve's
-own refusals (a full queue, no replica) into OpenAI errors.
+guardrail, replays a request once whose arm replica died before answering (a stream cut
+mid-way is resumed from where it stood, wire/resume.py), and turns Ray Serve's own refusals (a
+full queue, no replica) into OpenAI errors.
 
 Everything else (`/ready`, `/v1/models`, `/openapi.json`, ...) passes through to the router
 application, which also carries the dispatch's settings: the config path and poll interval in its
@@ -90,6 +91,7 @@ from specserve.wire.requests import (
     parse_body,
     wants_usage,
 )
+from specserve.wire.resume import ResumePoint, resumable, resume_point
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +104,16 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ARM = headers.ARM.encode()
 _USAGE = headers.USAGE.encode()
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
+_RESUME_FROM = headers.RESUME_FROM.encode()
 # Request headers a client may not pass on to an arm: its key, and those that steer Ray Serve.
 _NOT_FOR_ARMS = frozenset(
     name.encode()
-    for name in (headers.AUTHORIZATION, headers.REQUEST_TIMEOUT_S, *headers.RAY_SERVE_STEERING)
+    for name in (
+        headers.AUTHORIZATION,
+        headers.REQUEST_TIMEOUT_S,
+        headers.RESUME_FROM,
+        *headers.RAY_SERVE_STEERING,
+    )
 )
 _REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 # A body larger than this is parsed in a thread, off the proxy's event loop (~1 ms of CPU).
@@ -113,6 +121,7 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
 _ERROR_EVENT = b'data: {"error"'
+_SSE_DONE = b"data: [DONE]\n\n"
 # The usage chunk an arm ends its stream with: `usage` and no choices, whatever the JSON's
 # spacing or key order. The pattern only picks the events worth parsing.
 _MAYBE_USAGE = re.compile(rb'"choices"\s*:\s*\[\s*\]')
@@ -397,39 +406,51 @@ class DispatchState:
                 await _send_error(send, exc, [*extra, request_id])
                 return
             exchange = _Exchange(
-                record, send, extra, request_id, client_wants_usage=wants_usage(data)
+                record,
+                send,
+                extra,
+                request_id,
+                client_wants_usage=wants_usage(data),
+                endpoint=endpoint if resumable(data, endpoint) else None,
             )
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
             timeout_s = config.limits.request_timeout_s
             await exchange.run(app, _arm_scope(scope, record.arm, timeout_s), raw, receive)
-            if exchange.unanswered() and not exchange.client_gone:
-                # The arm's replica died (or the arm has none left) before answering: nothing
-                # reached the client, so replay once, on another running arm where the weights
-                # chose this one. Never a body that already was: a request that kills an engine
+            point = exchange.cut_at()
+            if (exchange.unanswered() or point is not None) and not exchange.client_gone:
+                # The arm's replica died (or the arm has none left): replay once, on another
+                # running arm where the weights chose this one; a stream cut mid-way goes on from
+                # where it stood. Never a body that already was: a request that kills an engine
                 # must not kill another.
                 if self.replayed.first_time(raw):
                     failed_arm = record.arm
                     record.arm = self._replay_arm(record, config)
                     logger.warning(
-                        "arm %s: no answer before the replica failed; replaying the request "
-                        "once on arm %s",
+                        "arm %s: the replica failed %s; %s on arm %s",
                         failed_arm,
+                        "mid-stream" if point else "before answering",
+                        "resuming the stream" if point else "replaying the request once",
                         record.arm,
                     )
-                    metrics.count_retry(failed_arm)
+                    (metrics.count_resume if point else metrics.count_retry)(failed_arm)
                     self.at_arm[failed_arm] -= 1
                     self.at_arm[record.arm] += 1
                     extra = [h for h in extra if h[0] != _ARM] + [(_ARM, record.arm.encode())]
                     exchange = _Exchange(
-                        record, send, extra, request_id, client_wants_usage=wants_usage(data)
+                        record,
+                        send,
+                        extra,
+                        request_id,
+                        client_wants_usage=wants_usage(data),
+                        resumes=exchange if point else None,
                     )
-                    arm_scope = _arm_scope(scope, record.arm, timeout_s)
+                    arm_scope = _arm_scope(scope, record.arm, timeout_s, point)
                     await exchange.run(app, arm_scope, raw, receive)
                 else:
                     logger.warning(
-                        "arm %s: no answer before the replica failed, for a request replayed "
-                        "once already; not replaying it again",
+                        "arm %s: the replica failed, for a request replayed once already; "
+                        "not replaying it again",
                         record.arm,
                     )
             await exchange.finish()
@@ -548,6 +569,8 @@ class _Exchange:
         request_id: tuple[bytes, bytes],
         *,
         client_wants_usage: bool,
+        endpoint: str | None = None,
+        resumes: _Exchange | None = None,
     ) -> None:
         self.record = record
         self.send = send
@@ -560,6 +583,11 @@ class _Exchange:
         self.stream = False
         self.complete = False
         self.client_gone = False
+        # A resumable stream's endpoint, and what the stream has sent the client (to resume it
+        # from, if its replica dies mid-way); the exchange this one resumes, if it does.
+        self.endpoint = resumes.endpoint if resumes else endpoint
+        self.sent: list[bytes] = resumes.sent if resumes else []
+        self.resumes = resumes is not None
 
     def unanswered(self) -> bool:
         """Whether neither the arm nor a replica of it answered: its replica died before
@@ -583,6 +611,14 @@ class _Exchange:
 
         await app(scope, receive_body, self._send)
 
+    def cut_at(self) -> ResumePoint | None:
+        """Where a resumable stream stands that its replica cut mid-way (None for any other
+        request, and for a stream whose answer had ended: only its end was lost)."""
+        if self.endpoint is None or not self.stream or self.complete or self.foreign:
+            return None
+        point = resume_point(b"".join(self.sent), self.endpoint)
+        return None if point is None or point.finished else point
+
     async def _send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
@@ -591,6 +627,9 @@ class _Exchange:
             response_headers = list(message.get("headers") or ())
             if not any(name == _ARM for name, _ in response_headers):
                 self.foreign = message  # not the arm's answer: Ray Serve refused the request
+                return
+            if self.resumes:  # the client has the first stream's start
+                self.stream = self.status == 200
                 return
             kept = []
             for name, value in response_headers:
@@ -603,11 +642,13 @@ class _Exchange:
                     kept.append((name, value))
             message["headers"] = [*kept, *(h for h in self.extra if h[0] != _ARM)]
         elif kind == "http.response.body":
-            if self.foreign is not None:
+            if self.foreign is not None or (self.resumes and not self.stream):
                 return
             if not message.get("more_body", False):
                 self.complete = True
             if self.stream:
+                if self.endpoint is not None:
+                    self.sent.append(message.get("body", b""))
                 message["body"] = self._observe_events(message.get("body", b""))
         await self.send(message)
 
@@ -656,7 +697,9 @@ class _Exchange:
     async def finish(self) -> None:
         """After the arm (or Ray Serve) is done: settle the outcome, answer what is unanswered."""
         record = self.record
-        if self.foreign is not None:
+        if self.resumes and not (self.stream and self.complete):
+            await self._cut()
+        elif self.foreign is not None:
             record.outcome = outcome_of_status(await self._answer_refusal())
         elif not self.started:
             if self.client_gone:
@@ -671,24 +714,26 @@ class _Exchange:
             )
             await _send_error(self.send, error, [*self.extra, self.request_id])
         elif not self.complete:
-            if self.client_gone:
-                record.outcome = OUTCOME_CANCELLED
-                return
-            # The arm's replica died mid-answer: a stream ends with an error event, never
-            # silently (a JSON answer cut short can only end).
-            record.outcome = OUTCOME_SERVER_ERROR
-            logger.warning("arm %s: replica failed mid-answer", record.arm)
-            cut = error_event(500, MID_STREAM_FAILURE).encode()
-            await self.send(
-                {
-                    "type": "http.response.body",
-                    "body": cut if self.stream else b"",
-                    "more_body": False,
-                }
-            )
+            await self._cut()
         elif self.status >= 400:
             record.outcome = outcome_of_status(self.status)
         # Otherwise ok, or a stream the arm cut short with an error event (already recorded).
+
+    async def _cut(self) -> None:
+        """End a stream the arm did not finish with an error event, never silently (a JSON answer
+        cut short can only end); one whose answer had ended with `[DONE]` (only that was lost)."""
+        if self.client_gone:
+            self.record.outcome = OUTCOME_CANCELLED
+            return
+        point = resume_point(b"".join(self.sent), self.endpoint) if self.endpoint else None
+        if point is not None and point.finished:
+            end = _SSE_DONE
+        else:
+            self.record.outcome = OUTCOME_SERVER_ERROR
+            logger.warning("arm %s: the answer was cut mid-way", self.record.arm)
+            cut = self.stream or self.resumes
+            end = error_event(500, MID_STREAM_FAILURE).encode() if cut else b""
+        await self.send({"type": "http.response.body", "body": end, "more_body": False})
 
     async def _answer_refusal(self) -> int:
         """Ray Serve answered instead of the arm: its queue was full (429), no replica could
@@ -756,18 +801,18 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
 
 
-def _arm_scope(scope: Scope, arm: str, timeout_s: float) -> Scope:
-    """The request as the proxy routes it to the arm's application."""
+def _arm_scope(
+    scope: Scope, arm: str, timeout_s: float, resume: ResumePoint | None = None
+) -> Scope:
+    """The request as the proxy routes it to the arm's application (resumed from `resume`)."""
     path = ARM_ROUTE_PREFIX + arm + scope["path"]
     # The time limit is the config's; the client's key and the headers that steer Ray Serve
     # stay behind.
     kept = [(name, value) for name, value in scope["headers"] if _passes_to_arm(name)]
-    return {
-        **scope,
-        "path": path,
-        "raw_path": path.encode(),
-        "headers": [*kept, (_TIMEOUT, repr(timeout_s).encode())],
-    }
+    kept.append((_TIMEOUT, repr(timeout_s).encode()))
+    if resume is not None:
+        kept.append((_RESUME_FROM, resume.header().encode()))
+    return {**scope, "path": path, "raw_path": path.encode(), "headers": kept}
 
 
 def _passes_to_arm(name: bytes) -> bool:

@@ -65,6 +65,9 @@ PROXY_HOOK = "specserve.router.dispatch:middlewares"
 # 0-4 % per streamed token on 2 cores (BENCHMARKS.md, "The platform's own cost").
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 WORKER_NICENESS = "0"
+# Set in the environment of every process of an arm (its replica, vLLM's engine core and
+# workers): which arm a process serves, for whoever looks at the machine's processes.
+ARM_NAME_ENV = "SPECSERVE_ARM_NAME"
 # Where the chart mounts the router config (a ConfigMap) in every Ray pod.
 MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
 # Where the chart mounts the API keys Secret in every Ray pod: one file of public keys and one

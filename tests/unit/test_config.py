@@ -4,6 +4,7 @@ import pytest
 
 from specserve.config import ConfigError, load_config, parse_config, revision_of
 from specserve.engine.arm import build_llm_config
+from specserve.serve_config import ARM_NAME_ENV
 from specserve.settings import DEFAULT_CONFIG_PATH
 
 BASE = """
@@ -93,6 +94,8 @@ def test_llm_config_carries_speculation_and_per_request_stats():
     assert "speculative_config" not in plain.engine_kwargs
     assert "per_request_spec_decode_metrics" not in plain.engine_kwargs
     assert plain.model_id == "m"
+    # Every process of an arm says which arm it serves (vLLM's run under their own names).
+    assert plain.runtime_env["env_vars"] == {ARM_NAME_ENV: "no-spec"}
 
 
 def test_cpu_arms_default_to_the_cpus_fast_dtype_and_keep_an_explicit_one(monkeypatch):

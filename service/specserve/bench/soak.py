@@ -10,8 +10,11 @@ no answer within `--timeout-s`, i.e. hung). A failure is the kill's when it was 
 and in flight at the kill or started within KILL_WINDOW_S after it; any other failure fails the
 soak. The resident memory of every process of the local Ray cluster (GCS, raylet, proxy, router
 and engine replicas, engine cores) is sampled throughout; its slope over the second half shows
-creep. Every prompt carries a canary string, and the platform's log files are searched for it
-afterwards: prompts and completions are never logged.
+creep. Before anything is measured, every arm serves `--max-concurrency` requests at once (with
+an admin key, forced): a vLLM worker's heap grows to the largest batch it has served and keeps
+that memory, so without this warm-up a shift of load (the kill sends a killed arm's share to
+the others) reads as creep. Every prompt carries a canary string, and the platform's log files
+are searched for it afterwards: prompts and completions are never logged.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import psutil
 from tqdm import tqdm
 
 from specserve import headers
-from specserve.serve_config import arm_app_name
+from specserve.serve_config import ARM_NAME_ENV, arm_app_name
 
 # A failure on the killed arm that started this long after the kill is still the kill's: the
 # router learns within about a second that the arm has no replica, Ray Serve within a few.
@@ -98,10 +101,14 @@ def platform_processes() -> list[psutil.Process]:
 
 
 def _process_name(process: psutil.Process) -> str:
+    """The command line, and the arm a process of an arm serves (vLLM's engine core and workers
+    run below the replica, under their own names)."""
     try:
-        return " ".join(process.cmdline())[:80] or process.name()
+        name = " ".join(process.cmdline())[:80] or process.name()
+        arm = process.environ().get(ARM_NAME_ENV)
     except psutil.Error:
         return "?"
+    return f"[{arm}] {name}" if arm else name
 
 
 class MemorySampler(threading.Thread):
@@ -152,7 +159,12 @@ def kill_replica(arm: str) -> int:
 
 
 async def one_request(
-    client: httpx.AsyncClient, model: str, canary: str, stream: bool, max_tokens: int
+    client: httpx.AsyncClient,
+    model: str,
+    canary: str,
+    stream: bool,
+    max_tokens: int,
+    forced: dict[str, str] | None = None,
 ) -> Outcome:
     prompt = f"{random.choice(PROMPTS)} ({canary})"
     body = {
@@ -164,7 +176,8 @@ async def one_request(
     started = time.monotonic()
     arm, cause = "", "ok"
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        chat = "/v1/chat/completions"
+        async with client.stream("POST", chat, json=body, headers=forced) as response:
             arm = response.headers.get(headers.ARM, "")
             if response.status_code != 200:
                 await response.aread()
@@ -214,6 +227,24 @@ async def drive(args: argparse.Namespace, model: str, canary: str, on_kill) -> l
             tasks.append(asyncio.get_running_loop().create_task(bounded()))
         progress.close()
         return list(await asyncio.gather(*tasks))
+
+
+async def warm_up(args: argparse.Namespace, model: str, canary: str, arms: list[str]) -> None:
+    """Each arm at the run's peak concurrency once, half of it streamed (see the docstring)."""
+    admin = {headers.AUTHORIZATION: f"Bearer {args.admin_key}"}
+    limits = httpx.Limits(max_connections=args.max_concurrency + 4)
+    async with httpx.AsyncClient(
+        base_url=args.url, timeout=args.timeout_s, limits=limits
+    ) as client:
+        for arm in tqdm(arms, desc="warm-up", unit="arm", leave=False):
+            forced = {**admin, headers.ARM_OVERRIDE: arm}
+            requests = (
+                one_request(client, model, canary, i % 2 == 0, args.max_tokens, forced)
+                for i in range(args.max_concurrency)
+            )
+            outcomes = await asyncio.gather(*requests)
+            if not all(o.ok for o in outcomes):
+                raise RuntimeError(f"warm-up on arm {arm}: {Counter(o.cause for o in outcomes)}")
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float]:
@@ -336,9 +367,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join([*lines, "", verdict])
 
 
-def run(args: argparse.Namespace, *, model: str, log_roots: list[Path]) -> dict[str, Any]:
-    """The soak against a running platform whose Ray cluster this process started."""
+def run(
+    args: argparse.Namespace, *, model: str, arms: list[str], log_roots: list[Path]
+) -> dict[str, Any]:
+    """The soak against a running platform whose Ray cluster this process started; warmed up
+    first where `args.admin_key` is set."""
     canary = f"canary-{uuid.uuid4().hex}"
+    if args.admin_key:
+        asyncio.run(warm_up(args, model, canary, arms))
     started = time.monotonic()
     sampler = MemorySampler(started)
     sampler.sample()
@@ -381,6 +417,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-rss-slope", type=float, default=MAX_RSS_SLOPE_MIB_PER_MIN, help="MiB/min, 2nd half"
     )
+    parser.add_argument(
+        "--no-warm-up", action="store_true", help="measure from the first request (no warm-up)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/soak"))
 
 
@@ -395,12 +434,20 @@ def main(argv: list[str] | None = None) -> int:
     keys_dir = Path(tempfile.mkdtemp(prefix="specserve-soak-"))
     args.api_key = uuid.uuid4().hex + uuid.uuid4().hex
     (keys_dir / "api-keys").write_text(f"soak={args.api_key}\n")
-    settings = settings.model_copy(update={"api_keys_file": keys_dir / "api-keys"})
+    args.admin_key = None
+    update: dict[str, Any] = {"api_keys_file": keys_dir / "api-keys"}
+    if not args.no_warm_up:
+        args.admin_key = uuid.uuid4().hex + uuid.uuid4().hex
+        (keys_dir / "admin-keys").write_text(f"soak-warm-up={args.admin_key}\n")
+        update["admin_keys_file"] = keys_dir / "admin-keys"
+    settings = settings.model_copy(update=update)
     args.url = f"http://127.0.0.1:{settings.port}"
     platform = Platform(settings)
     try:
         platform.start()
-        report = run(args, model=platform.loaded.config.model.name, log_roots=[ray_session_dir()])
+        config = platform.loaded.config
+        arms = [arm.name for arm in config.arms]
+        report = run(args, model=config.model.name, arms=arms, log_roots=[ray_session_dir()])
     finally:
         platform.stop()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,13 @@ from specserve.config import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
-from specserve.serve_config import ARM_ARG, EXPOSE_HTTP_ARG, MODEL_ARG, arm_app_name
+from specserve.serve_config import (
+    ARM_ARG,
+    ARM_NAME_ENV,
+    EXPOSE_HTTP_ARG,
+    MODEL_ARG,
+    arm_app_name,
+)
 from specserve.wire.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 
 # Engine defaults for every arm; the arm's own `engine` settings win.
@@ -88,7 +94,7 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
             "model_source": resolve_model_source(model.source),
         },
         engine_kwargs=engine_kwargs,
-        runtime_env={"env_vars": dict(arm.env)} if arm.env else None,
+        runtime_env={"env_vars": {**arm.env, ARM_NAME_ENV: arm.name}},
         accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
         placement_group_config=placement_group_config(model),
         deployment_config=deployment_config(arm),

@@ -1,6 +1,7 @@
 """Which arms the router may route to, read from a real Ray Serve: running, starting, and
 redeploying with the old replica still serving."""
 
+import os
 import threading
 import time
 
@@ -100,3 +101,39 @@ def test_an_arm_being_built_again_keeps_the_state_it_had():
     assert _routable(building, was_running=True)
     assert not _routable(building, was_running=False)  # a new arm: nothing serves yet
     assert not _routable({"status": "DEPLOY_FAILED", "deployments": {}}, was_running=True)
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Replaceable:
+    """Starts at once, unless the marker file exists: then its replacement takes a minute."""
+
+    def __init__(self, marker: str) -> None:
+        if os.path.exists(marker):
+            time.sleep(60)
+
+    def __call__(self) -> str:
+        return "ok"
+
+
+def test_an_arm_whose_only_replica_died_counts_as_stopped_within_seconds(serve_instance, tmp_path):
+    """Ray Serve holds a request for an arm with no live replica until a new one runs (~2.5
+    minutes for an engine here): the arm counts as down within seconds of its replica, so that
+    the dispatch takes such requests back (test_dispatch.py)."""
+    marker = tmp_path / "slow-start"
+    serve.run(Replaceable.bind(str(marker)), name="arm-c", route_prefix=None)
+    try:
+        assert _routable(_serve_applications()["arm-c"])
+        marker.touch()
+        replica = next(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::arm-c#")
+        )
+        ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        apps = _apps_when(lambda a: not _routable(a["arm-c"]), timeout_s=20)
+        assert not _routable(apps["arm-c"]), apps["arm-c"]
+        assert time.monotonic() - killed < 10
+    finally:
+        marker.unlink(missing_ok=True)
+        serve.delete("arm-c")

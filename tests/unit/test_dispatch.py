@@ -37,6 +37,7 @@ class FakeArms:
     def __init__(self) -> None:
         self.requests: list[dict] = []  # {"path", "headers", "body"}
         self.dead: set[str] = set()  # arms whose replica dies before answering
+        self.held: set[str] = set()  # arms with no live replica: Ray Serve holds the request
 
     async def __call__(self, scope, receive, send) -> None:
         body = b""
@@ -51,6 +52,8 @@ class FakeArms:
         arm = scope["path"].split("/")[2]
         if arm in self.dead:
             return
+        if arm in self.held:
+            await asyncio.sleep(3600)
         usage = {
             "usage": {"completion_tokens": 5},
             # Every draft rejected: below the guardrail's floor.
@@ -386,6 +389,38 @@ def test_a_weighted_request_whose_arm_failed_is_replayed_on_another_arm(tmp_path
             assert status == 200 and found[headers.ARM] == "b"
         assert {r["path"].split("/")[2] for r in client.arms.requests} == {"a", "b"}
         assert sum(client.dispatch.state.at_arm.values()) == 0  # every count given back
+
+    run(main())
+
+
+def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, monkeypatch):
+    """Ray Serve holds a request for an arm whose only replica died until a new one runs
+    (minutes for an engine); once the arm is seen stopped, the request goes to another arm."""
+    from specserve.router.selection import choose_arm
+
+    client = Client(tmp_path, monkeypatch, weight_b=1)
+    both = frozenset({"a", "b"})
+    session = next(  # a session the weights place on arm a
+        f"s{i}"
+        for i in range(100)
+        if choose_arm({"a": 1, "b": 1}, running=both, drained=set(), sticky_key=f"s{i}").arm == "a"
+    )
+    client.arms.held = {"a"}
+
+    async def main():
+        asking = asyncio.ensure_future(client.request(extra={"x-session-id": session}))
+        await asyncio.sleep(1.5)
+        assert not asking.done()  # held
+        stopped = dataclasses.replace(
+            client.dispatch.state.serve_state,
+            statuses={"a": "DEPLOYING", "b": "RUNNING"},
+            running=frozenset({"b"}),
+        )
+        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: stopped)
+        status, found, _ = await asyncio.wait_for(asking, 5)
+        assert status == 200 and found[headers.ARM] == "b"
+        assert [r["path"].split("/")[2] for r in client.arms.requests] == ["a", "b"]
+        assert sum(client.dispatch.state.at_arm.values()) == 0
 
     run(main())
 

@@ -195,6 +195,8 @@ class DispatchState:
         # bound on an arm's queue is checked and counted at different moments, so a burst gets
         # past it (29 queued against a bound of 16); this count is checked and moved in one step.
         self.at_arm: Counter[str] = Counter()
+        # Per arm, set when the arm stops running: its requests not yet answered are taken back.
+        self._stopped: dict[str, asyncio.Event] = {}
         self._first_read = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -208,7 +210,11 @@ class DispatchState:
         while True:
             try:
                 state = await self._read_serve_state()
+                stopped = self.serve_state.running - state.running
                 self.serve_state = state
+                for arm in stopped:
+                    if (event := self._stopped.pop(arm, None)) is not None:
+                        event.set()
                 self._state_read_at = time.monotonic()
                 if state.router_args is not None:
                     await self._follow_keys(state.router_args)
@@ -416,7 +422,9 @@ class DispatchState:
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
             timeout_s = config.limits.request_timeout_s
-            await exchange.run(app, _arm_scope(scope, record.arm, timeout_s), raw, receive)
+            await self._at_arm(
+                exchange, app, _arm_scope(scope, record.arm, timeout_s), raw, receive
+            )
             point = exchange.cut_at()
             if (exchange.unanswered() or point is not None) and not exchange.client_gone:
                 # The arm's replica died (or the arm has none left): replay once, on another
@@ -427,9 +435,11 @@ class DispatchState:
                     failed_arm = record.arm
                     record.arm = self._replay_arm(record, config)
                     logger.warning(
-                        "arm %s: the replica failed %s; %s on arm %s",
+                        "arm %s: %s; %s on arm %s",
                         failed_arm,
-                        "mid-stream" if point else "before answering",
+                        "the replica failed mid-stream"
+                        if point
+                        else "no answer before its replica failed or it stopped running",
                         "resuming the stream" if point else "replaying the request once",
                         record.arm,
                     )
@@ -446,7 +456,7 @@ class DispatchState:
                         resumes=exchange if point else None,
                     )
                     arm_scope = _arm_scope(scope, record.arm, timeout_s, point)
-                    await exchange.run(app, arm_scope, raw, receive)
+                    await self._at_arm(exchange, app, arm_scope, raw, receive)
                 else:
                     logger.warning(
                         "arm %s: the replica failed, for a request replayed once already; "
@@ -471,6 +481,34 @@ class DispatchState:
             if identity is not None and record.output_tokens:
                 metrics.count_key_tokens(identity.name, record.output_tokens)
                 self.key_limits.spend_tokens(identity.name, record.output_tokens)
+
+    async def _at_arm(
+        self, exchange: _Exchange, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive
+    ) -> None:
+        """The exchange with its arm; taken back if the arm stops running before answering (its
+        only replica died: Ray Serve would hold the request until a new replica runs, minutes
+        for an engine). A request taken back is unanswered, and replayed as such."""
+        arm = exchange.record.arm
+        stopped = self._stopped.setdefault(arm, asyncio.Event())
+        run = asyncio.ensure_future(exchange.run(app, scope, raw, receive))
+        watch = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait((run, watch), return_when=asyncio.FIRST_COMPLETED)
+            taken_back = not run.done() and not exchange.started
+            if taken_back:
+                logger.warning(
+                    "arm %s stopped running; taking back a request it had not begun", arm
+                )
+                run.cancel()
+            try:
+                await run
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not taken_back or (current is not None and current.cancelling()):
+                    raise  # the client left
+        finally:
+            watch.cancel()
+            run.cancel()
 
     def _admit(self, request_headers: dict[str, str], config: RouterConfig) -> Identity | None:
         """The request's API key (401 without a valid one), the admin power it uses (403 for

@@ -3,7 +3,8 @@ and the canary search. The soak itself runs on the real platform (tests/integrat
 
 from __future__ import annotations
 
-from specserve.bench.soak import MemoryTrace, Outcome, logs_containing, summarize
+from specserve.bench import soak
+from specserve.bench.soak import MemorySampler, MemoryTrace, Outcome, logs_containing, summarize
 
 
 def test_only_failures_on_the_killed_arm_around_the_kill_are_the_kills():
@@ -31,6 +32,24 @@ def test_memory_creep_is_judged_on_processes_that_ran_through_the_second_half():
     slopes = {p["process"]: p["slope_mib_per_min"] for p in report["processes"]}
     assert slopes == {"proxy": 0.06, "worker": 6.0, "new replica": None}
     assert report["problems"] == ["1 processes grow faster than 1.0 MiB/min"]
+
+
+def test_a_process_that_takes_a_new_role_is_traced_anew(monkeypatch):
+    """Ray makes an idle worker the replacement replica: a new process as far as creep goes."""
+    import psutil
+
+    names = iter(["ray::IDLE", "ray::IDLE", "ray::ServeReplica:arm-a:arm-a"])
+    monkeypatch.setattr(soak, "platform_processes", lambda: [psutil.Process()])
+    monkeypatch.setattr(soak, "_process_name", lambda process: next(names))
+    sampler = MemorySampler(started=0)
+    for _ in range(3):
+        sampler.sample()
+    traces = list(sampler.traces.values())
+    assert [(t.name, len(t.samples)) for t in traces] == [
+        ("ray::IDLE", 2),
+        ("ray::ServeReplica:arm-a:arm-a", 1),
+    ]
+    assert {t.pid for t in traces} == {psutil.Process().pid}
 
 
 def test_the_canary_is_found_in_any_file_below_the_roots(tmp_path):

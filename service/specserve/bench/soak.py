@@ -73,10 +73,11 @@ class Outcome:
 
 @dataclass
 class MemoryTrace:
-    """RSS samples (seconds since start, MiB) of one process."""
+    """RSS samples (seconds since start, MiB) of one process in one role (its name)."""
 
     name: str
     samples: list[tuple[float, float]] = field(default_factory=list)
+    pid: int = 0
 
     def slope_mib_per_min(self, since_s: float, until_s: float) -> float | None:
         """The least-squares slope of RSS from `since_s` on, for a process that ran from then
@@ -115,7 +116,10 @@ class MemorySampler(threading.Thread):
     def __init__(self, started: float) -> None:
         super().__init__(daemon=True)
         self.started = started
+        # One trace per process and role: Ray starts an idle worker first and makes it a replica
+        # later (a replacement), which is a process starting anew, not growing.
         self.traces: dict[int, MemoryTrace] = {}
+        self._trace_of: dict[int, int] = {}  # pid -> its current trace
         self.stop = threading.Event()
 
     def sample(self) -> None:
@@ -125,8 +129,12 @@ class MemorySampler(threading.Thread):
                 rss = process.memory_info().rss / 2**20
             except psutil.Error:
                 continue
-            trace = self.traces.setdefault(process.pid, MemoryTrace(_process_name(process)))
-            trace.samples.append((now, rss))
+            name = _process_name(process)
+            key = self._trace_of.get(process.pid)
+            if key is None or self.traces[key].name != name:
+                key = self._trace_of[process.pid] = len(self.traces)
+                self.traces[key] = MemoryTrace(name, pid=process.pid)
+            self.traces[key].samples.append((now, rss))
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -296,11 +304,11 @@ def summarize(
             by_arm.setdefault(o.arm, []).append(o.ended - o.started)
     half = duration_s / 2
     processes: list[dict[str, Any]] = []
-    for pid, trace in sorted(memory.items()):
+    for _, trace in sorted(memory.items()):
         slope = trace.slope_mib_per_min(half, duration_s - 2 * RSS_SAMPLE_S)
         processes.append(
             {
-                "pid": pid,
+                "pid": trace.pid,
                 "process": trace.name,
                 "rss_start_mib": round(trace.samples[0][1], 1),
                 "rss_end_mib": round(trace.samples[-1][1], 1),

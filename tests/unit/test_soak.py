@@ -38,16 +38,24 @@ def test_a_process_that_takes_a_new_role_is_traced_anew(monkeypatch):
     """Ray makes an idle worker the replacement replica: a new process as far as creep goes."""
     import psutil
 
-    names = iter(["ray::IDLE", "ray::IDLE", "ray::ServeReplica:arm-a:arm-a"])
+    names = iter(
+        [
+            "ray::IDLE",
+            "ray::IDLE",
+            "ray::ServeReplica:arm-a:arm-a",
+            # The method a Ray actor runs is in its title while it runs: the same role.
+            "ray::ServeReplica:arm-a:arm-a.handle_request",
+        ]
+    )
     monkeypatch.setattr(soak, "platform_processes", lambda: [psutil.Process()])
     monkeypatch.setattr(soak, "_process_name", lambda process: next(names))
     sampler = MemorySampler(started=0)
-    for _ in range(3):
+    for _ in range(4):
         sampler.sample()
     traces = list(sampler.traces.values())
     assert [(t.name, len(t.samples)) for t in traces] == [
         ("ray::IDLE", 2),
-        ("ray::ServeReplica:arm-a:arm-a", 1),
+        ("ray::ServeReplica:arm-a:arm-a", 2),
     ]
     assert {t.pid for t in traces} == {psutil.Process().pid}
 

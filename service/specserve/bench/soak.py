@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import tempfile
@@ -46,6 +47,7 @@ from specserve.serve_config import ARM_NAME_ENV, arm_app_name
 # router learns within about a second that the arm has no replica, Ray Serve within a few.
 KILL_WINDOW_S = 10.0
 RSS_SAMPLE_S = 5.0
+_RAY_TASK_SUFFIX = re.compile(r"(ray::\S+?)\.[A-Za-z_]\w*$")
 # Creep: a process that keeps its RSS slope under this over the second half of the run does not
 # leak per request beyond ~9 KiB each at 2 requests/s (1 MiB a minute).
 MAX_RSS_SLOPE_MIB_PER_MIN = 1.0
@@ -112,6 +114,12 @@ def _process_name(process: psutil.Process) -> str:
     return f"[{arm}] {name}" if arm else name
 
 
+def _role(name: str) -> str:
+    """A process's role: its name without the method a Ray actor runs now (Ray titles a worker
+    `ray::Class.method` while it runs a task, `ray::Class` between tasks)."""
+    return _RAY_TASK_SUFFIX.sub(r"\1", name)
+
+
 class MemorySampler(threading.Thread):
     def __init__(self, started: float) -> None:
         super().__init__(daemon=True)
@@ -131,7 +139,7 @@ class MemorySampler(threading.Thread):
                 continue
             name = _process_name(process)
             key = self._trace_of.get(process.pid)
-            if key is None or self.traces[key].name != name:
+            if key is None or _role(self.traces[key].name) != _role(name):
                 key = self._trace_of[process.pid] = len(self.traces)
                 self.traces[key] = MemoryTrace(name, pid=process.pid)
             self.traces[key].samples.append((now, rss))

@@ -623,7 +623,7 @@ class _Exchange:
         self.client_gone = False
         # A resumable stream's endpoint, and what the stream has sent the client (to resume it
         # from, if its replica dies mid-way); the exchange this one resumes, if it does.
-        self.endpoint = resumes.endpoint if resumes else endpoint
+        self.endpoint: str | None = resumes.endpoint if resumes else endpoint
         self.sent: list[bytes] = resumes.sent if resumes else []
         self.resumes = resumes is not None
 

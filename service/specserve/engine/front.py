@@ -26,6 +26,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 from specserve import headers
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
+    SSE_DONE,
     OpenAIError,
     error_event,
     install_error_handlers,
@@ -37,7 +38,7 @@ from specserve.wire.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
-_SSE_DONE = "data: [DONE]"
+_SSE_DONE = SSE_DONE.strip()
 # Under the arm's route, where an arm deployed with `expose_http` also serves vLLM's own OpenAI
 # app (what the router-overhead benchmark compares against).
 VLLM_APP_PREFIX = "/vllm"
@@ -184,7 +185,7 @@ async def _stream(
             except StopAsyncIteration:
                 break
         if not done_sent:
-            yield f"{_SSE_DONE}\n\n"
+            yield SSE_DONE
     except TimeoutError:
         logger.warning("request %s: stream cut at %g s", request_id(), timeout_s)
         yield error_event(504, f"the request ran longer than {timeout_s:g} s and was stopped")

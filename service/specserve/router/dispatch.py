@@ -77,6 +77,7 @@ from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     OVERLOAD_RETRY_AFTER_S,
     OVERLOAD_STATUS,
+    SSE_DONE,
     OpenAIError,
     arm_overloaded,
     error_body,
@@ -121,7 +122,7 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
 _ERROR_EVENT = b'data: {"error"'
-_SSE_DONE = b"data: [DONE]\n\n"
+_SSE_DONE = SSE_DONE.encode()
 # The usage chunk an arm ends its stream with: `usage` and no choices, whatever the JSON's
 # spacing or key order. The pattern only picks the events worth parsing.
 _MAYBE_USAGE = re.compile(rb'"choices"\s*:\s*\[\s*\]')

@@ -94,9 +94,13 @@ def error_body(status: int, message: str, *, param=None, code=None, type=None) -
     }
 
 
+# The event every OpenAI stream ends with.
+SSE_DONE = "data: [DONE]\n\n"
+
+
 def error_event(status: int, message: str) -> str:
     """The end of a stream cut short: an OpenAI error event, then `[DONE]`."""
-    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+    return f"data: {json.dumps(error_body(status, message))}\n\n{SSE_DONE}"
 
 
 def error_response(err: OpenAIError) -> JSONResponse:

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from typing import Any
 
-from specserve.wire.errors import OpenAIError
+from specserve.wire.errors import SSE_DONE, OpenAIError
 from specserve.wire.requests import CHAT
 
 # Request fields that make a stream not resumable.
@@ -88,7 +88,7 @@ def resume_point(sent: bytes, endpoint: str) -> ResumePoint | None:
     stream_id, created, finished = None, None, False
     for event in sent.split(_EVENT_END):
         event = event.strip()
-        if not event.startswith(_DATA) or event == b"data: [DONE]":
+        if not event.startswith(_DATA) or event == SSE_DONE.strip().encode():
             continue
         try:
             chunk = json.loads(event[len(_DATA) :])

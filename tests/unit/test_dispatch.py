@@ -38,6 +38,10 @@ class FakeArms:
         self.requests: list[dict] = []  # {"path", "headers", "body"}
         self.dead: set[str] = set()  # arms whose replica dies before answering
         self.held: set[str] = set()  # arms with no live replica: Ray Serve holds the request
+        # Requests an arm's replica holds when it dies (it dies once all have arrived); the
+        # replica that replaces it answers.
+        self.die_with: dict[str, int] = {}
+        self._dying: dict[str, asyncio.Event] = {}
 
     async def __call__(self, scope, receive, send) -> None:
         body = b""
@@ -51,6 +55,13 @@ class FakeArms:
         )
         arm = scope["path"].split("/")[2]
         if arm in self.dead:
+            return
+        if self.die_with.get(arm):
+            self.die_with[arm] -= 1
+            dies = self._dying.setdefault(arm, asyncio.Event())
+            if not self.die_with[arm]:
+                dies.set()
+            await dies.wait()
             return
         if arm in self.held:
             await asyncio.sleep(3600)
@@ -262,6 +273,20 @@ def test_a_request_whose_replica_died_is_replayed_once_and_never_again(client):
         assert status == 503 and len(client.arms.requests) == 3
         status, _, _ = await client.request(body={"model": MODEL, "prompt": "other"})
         assert len(client.arms.requests) == 5  # another body is replayed once
+
+    run(main())
+
+
+def test_identical_requests_cut_by_one_replica_death_are_all_replayed(client):
+    """Users send identical bodies; one engine's death cuts them together: each is replayed
+    (the first replay's answer shows the body harmless), none is refused for another's sake."""
+
+    async def main():
+        client.arms.die_with = {"a": 3}
+        answers = await asyncio.gather(*(client.request() for _ in range(3)))
+        assert [status for status, _, _ in answers] == [200, 200, 200]
+        assert len(client.arms.requests) == 6  # three cut, three replayed
+        assert sum(client.dispatch.state.at_arm.values()) == 0
 
     run(main())
 

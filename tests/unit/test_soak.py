@@ -66,3 +66,12 @@ def test_the_canary_is_found_in_any_file_below_the_roots(tmp_path):
     (tmp_path / "logs" / "leaky.err").write_bytes(b"\x00prompt: hi (canary-1234)\n")
     assert logs_containing("canary-1234", [tmp_path]) == [str(tmp_path / "logs" / "leaky.err")]
     assert logs_containing("canary-9999", [tmp_path]) == []
+
+
+def test_a_refusal_is_named_by_its_openai_error_code():
+    from specserve.bench.soak import _error_code
+
+    body = b'{"error": {"message": "m", "type": "t", "code": "engine_unavailable"}}'
+    assert _error_code(body) == ":engine_unavailable"
+    assert _error_code(b"<html>bad gateway</html>") == ""
+    assert _error_code(b'{"error": {"code": null}}') == ""

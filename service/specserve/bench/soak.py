@@ -66,7 +66,7 @@ class Outcome:
     stream: bool
     started: float
     ended: float
-    cause: str  # "ok", "http_<status>", "stream_cut", "transport", "hung"
+    cause: str  # "ok", "http_<status>[:<error code>]", "stream_cut", "transport", "hung"
 
     @property
     def ok(self) -> bool:
@@ -196,8 +196,7 @@ async def one_request(
         async with client.stream("POST", chat, json=body, headers=forced) as response:
             arm = response.headers.get(headers.ARM, "")
             if response.status_code != 200:
-                await response.aread()
-                cause = f"http_{response.status_code}"
+                cause = f"http_{response.status_code}{_error_code(await response.aread())}"
             elif stream:
                 events = [line async for line in response.aiter_lines() if line.strip()]
                 if events[-1:] != ["data: [DONE]"] or any('data: {"error"' in e for e in events):
@@ -209,6 +208,15 @@ async def one_request(
     except (httpx.HTTPError, ValueError):
         cause = "transport"
     return Outcome(arm, stream, started, time.monotonic(), cause)
+
+
+def _error_code(body: bytes) -> str:
+    """ ":<code>" of an OpenAI error body (which says why, and never holds the prompt)."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f":{code}" if isinstance(code, str) and code else ""
 
 
 async def drive(args: argparse.Namespace, model: str, canary: str, on_kill) -> list[Outcome]:

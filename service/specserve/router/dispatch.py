@@ -62,7 +62,7 @@ from specserve.router.arm_states import (
 )
 from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
-from specserve.router.replays import ReplayedBodies
+from specserve.router.replays import Fate, ReplayedBodies
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
 from specserve.serve_config import (
     ADMIN_KEYS_FILE_ARG,
@@ -430,9 +430,10 @@ class DispatchState:
             if (exchange.unanswered() or point is not None) and not exchange.client_gone:
                 # The arm's replica died (or the arm has none left): replay once, on another
                 # running arm where the weights chose this one; a stream cut mid-way goes on from
-                # where it stood. Never a body that already was: a request that kills an engine
-                # must not kill another.
-                if self.replayed.first_time(raw):
+                # where it stood. Never a body whose replay lost its replica too: a request that
+                # kills an engine must not kill another.
+                ticket = await self.replayed.admit(raw)
+                if ticket is not None:
                     failed_arm = record.arm
                     record.arm = self._replay_arm(record, config)
                     logger.warning(
@@ -457,11 +458,16 @@ class DispatchState:
                         resumes=exchange if point else None,
                     )
                     arm_scope = _arm_scope(scope, record.arm, timeout_s, point)
-                    await self._at_arm(exchange, app, arm_scope, raw, receive)
+                    fate = Fate.UNKNOWN
+                    try:
+                        await self._at_arm(exchange, app, arm_scope, raw, receive)
+                        fate = exchange.fate()
+                    finally:
+                        ticket.settle(fate)
                 else:
                     logger.warning(
-                        "arm %s: the replica failed, for a request replayed once already; "
-                        "not replaying it again",
+                        "arm %s: the replica failed, for a request whose replay lost its "
+                        "replica too; not replaying it",
                         record.arm,
                     )
             await exchange.finish()
@@ -635,6 +641,13 @@ class _Exchange:
             return True
         return self.foreign is not None and int(self.foreign["status"]) in (404, 503)
 
+    def fate(self) -> Fate:
+        """How this exchange went, as a replay: answered to the end, its replica lost before or
+        while answering, or nothing learnt (the client left; Ray Serve refused it)."""
+        if self.client_gone or self.foreign is not None:
+            return Fate.UNKNOWN
+        return Fate.ANSWERED if self.started and self.complete else Fate.REPLICA_DIED
+
     async def run(self, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive) -> None:
         replayed = False
 
@@ -681,10 +694,10 @@ class _Exchange:
                     kept.append((name, value))
             message["headers"] = [*kept, *(h for h in self.extra if h[0] != _ARM)]
         elif kind == "http.response.body":
-            if self.foreign is not None or (self.resumes and not self.stream):
-                return
             if not message.get("more_body", False):
                 self.complete = True
+            if self.foreign is not None or (self.resumes and not self.stream):
+                return
             if self.stream:
                 if self.endpoint is not None:
                     self.sent.append(message.get("body", b""))

@@ -40,22 +40,26 @@ def test_a_process_that_takes_a_new_role_is_traced_anew(monkeypatch):
 
     names = iter(
         [
-            "ray::IDLE",
-            "ray::IDLE",
-            "ray::ServeReplica:arm-a:arm-a",
-            # The method a Ray actor runs is in its title while it runs: the same role.
-            "ray::ServeReplica:arm-a:arm-a.handle_request",
+            "[a.1] ray::IDLE      ",
+            "[a.1] ray::IDLE      ",
+            "[a.1] ray::ServeReplica:arm-a.1:arm-a.1      ",
+            # The method a Ray actor runs is in its title while it runs (an arm's replica's
+            # class name cut at its name's dot): the same role.
+            "[a.1] ray::1.handle_request_with_rejection      ",
+            "ray::ProxyActor     ",
+            "ray::ProxyActor.receive_asgi_messages    ",
         ]
     )
     monkeypatch.setattr(soak, "platform_processes", lambda: [psutil.Process()])
     monkeypatch.setattr(soak, "_process_name", lambda process: next(names))
     sampler = MemorySampler(started=0)
-    for _ in range(4):
+    for _ in range(6):
         sampler.sample()
     traces = list(sampler.traces.values())
-    assert [(t.name, len(t.samples)) for t in traces] == [
-        ("ray::IDLE", 2),
-        ("ray::ServeReplica:arm-a:arm-a", 2),
+    assert [(t.name.strip(), len(t.samples)) for t in traces] == [
+        ("[a.1] ray::IDLE", 2),
+        ("[a.1] ray::ServeReplica:arm-a.1:arm-a.1", 2),
+        ("ray::ProxyActor", 2),
     ]
     assert {t.pid for t in traces} == {psutil.Process().pid}
 

@@ -115,8 +115,19 @@ def _process_name(process: psutil.Process) -> str:
 
 
 def _role(name: str) -> str:
-    """A process's role: its name without the method a Ray actor runs now (Ray titles a worker
-    `ray::Class.method` while it runs a task, `ray::Class` between tasks)."""
+    """A process's role: its name without the method a Ray actor runs now. Ray titles a worker
+    `ray::Class.method` while it runs a task, `ray::Class` between tasks, `ray::IDLE` before it
+    is given an actor (and pads the title with spaces); an arm's replica, whose class name
+    holds the arm's name, is titled `ray::1.method` for an arm named `eagle3.1`, so an arm's
+    Ray worker is known by its arm alone."""
+    name = name.strip()
+    arm, ray, title = name.partition("ray::")
+    if not ray:
+        return name
+    if title.startswith("IDLE"):
+        return f"{arm}ray::IDLE"
+    if arm:
+        return f"{arm}ray::"
     return _RAY_TASK_SUFFIX.sub(r"\1", name)
 
 

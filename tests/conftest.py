@@ -157,6 +157,7 @@ class Live:
     def __init__(self, platform, config_path: Path, base_url: str, metrics_url: str) -> None:
         self.platform = platform
         self.config_path = config_path
+        self.capture_dir = platform.settings.capture_path()
         self.base_url = base_url
         self.metrics_url = metrics_url
         self.auth = ADMIN  # the headers of an admin key
@@ -236,6 +237,7 @@ def live(tmp_path_factory):
         metrics_port=metrics_port,
         config_poll_s=0.25,
         router_replicas=ROUTER_REPLICAS,
+        capture_dir=config_dir / "capture",
     )
     platform = Platform(settings)
     started = time.monotonic()

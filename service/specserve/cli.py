@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
     report.add_arguments(report_p)
 
+    capture_p = sub.add_parser("capture", help="the arms' capture samples: show or delete them")
+    from specserve.capture import commands as capture_commands
+
+    capture_commands.add_arguments(capture_p)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             return serving.run(args)
         if args.command == "ab":
             return report.run(args)
+        if args.command == "capture":
+            return capture_commands.run(args)
         if args.command == "drafter":
             return _drafter(args)
     except ConfigError as exc:
@@ -250,10 +257,12 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
         engine = [key for key in change.restart if key != "model"]
         if engine:
             lines.append(f"~ arm {name} {', '.join(engine)} changed (redeploys this arm)")
-        if change.in_place:
+        if "capture" in change.in_place:
+            lines.append(f"~ arm {name} capture changed (live)")
+        engines = [key for key in change.in_place if key != "capture"]
+        if engines:
             lines.append(
-                f"~ arm {name} {', '.join(change.in_place)} changed (applied to the running "
-                "engines)"
+                f"~ arm {name} {', '.join(engines)} changed (applied to the running engines)"
             )
     return lines
 

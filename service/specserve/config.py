@@ -297,7 +297,40 @@ class ArmEngineConfig(_Strict):
         return self
 
 
+class CaptureConfig(_Strict):
+    """Capture of this arm's traffic, to adapt drafters from (docs/capture.md)."""
+
+    sample: float = Field(
+        gt=0,
+        le=1,
+        description="Share of the arm's requests whose prompt and output token ids are kept "
+        "(0.05: one in twenty).",
+    )
+    max_records: int = Field(
+        100_000,
+        ge=10,
+        le=100_000_000,
+        description="Most records each engine replica keeps; the oldest are deleted first.",
+    )
+    max_age_s: float = Field(
+        7 * 86_400,
+        gt=0,
+        le=365 * 86_400,
+        description="Records older than this are deleted (a week by default; at most a year).",
+    )
+
+
+# An arm's settings the router applies itself, live: no engine is touched when they change.
+ROUTER_SIDE = ("weight", "capture")
+
+
 class ArmConfig(ArmEngineConfig):
+    capture: CaptureConfig | None = Field(
+        None,
+        description="Keep a sample of this arm's requests (prompt and output token ids) to "
+        "adapt drafters from; null = off. A client opts a request out with "
+        "`x-specserve-no-capture: 1`, a key with `limits.per_key.<name>.capture: false`.",
+    )
     weight: float = Field(
         ge=0,
         le=1e6,
@@ -309,7 +342,7 @@ class ArmConfig(ArmEngineConfig):
         """The engine part as plain data, only the keys the config sets (for the Serve config:
         a default that changes upstream must not redeploy an arm nobody touched)."""
         return self.model_dump(
-            mode="json", exclude_unset=True, exclude={"weight", *DEPLOYMENT_OPTIONS}
+            mode="json", exclude_unset=True, exclude={*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}
         )
 
     def deployment_options(self) -> dict[str, Any]:
@@ -349,6 +382,10 @@ class KeyLimit(_Strict):
         gt=0,
         le=1e9,
         description="Requests one API key may send per minute; null = no limit.",
+    )
+    capture: bool = Field(
+        True,
+        description="false: no request of this key is captured, whatever the arm's `capture`.",
     )
     output_tokens_per_minute: float | None = Field(
         None,
@@ -412,8 +449,8 @@ class LimitsConfig(_Strict):
     )
     per_key: dict[str, KeyLimit] = Field(
         default_factory=dict,
-        description="Rate limits by API key name (`*`: every key not named), counted in each "
-        "HTTP proxy (one per Ray node).",
+        description="Rate limits (counted in each HTTP proxy, one per Ray node) and capture "
+        "opt-outs by API key name (`*`: every key not named).",
     )
 
     def key_limit(self, name: str) -> KeyLimit | None:
@@ -497,8 +534,9 @@ class ArmChange:
 
     - `restart`: its engine changes (the model, `speculative`, `engine`, `env`, ...): Ray Serve
       starts new engine replicas (`restart` names the keys, `model` first when it changed);
-    - `in place`: only its weight (live, in the router) or its replicas and queue bounds
-      (`DEPLOYMENT_OPTIONS`, applied to the running engines) change (`in_place` names those);
+    - `in place`: only its weight or capture (live, in the router) or its replicas and queue
+      bounds (`DEPLOYMENT_OPTIONS`, applied to the running engines) change (`in_place` names
+      those but the weight);
     - `unchanged`, `added`, `removed`.
 
     `specserve config diff` and `config apply` both classify with `arm_change`."""
@@ -521,13 +559,17 @@ def arm_change(name: str, old: ArmSide | None, new: ArmSide | None) -> ArmChange
             raise ValueError(f"arm {name} is on neither side")
         return ArmChange(name, "added" if old is None else "removed")
     (old_model, old_arm), (new_model, new_arm) = old, new
-    before = old_arm.model_dump(mode="json", exclude={"weight"})
-    after = new_arm.model_dump(mode="json", exclude={"weight"})
+    before = old_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
+    after = new_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
     changed = [key for key in after if before.get(key) != after[key]]
     restart = tuple(key for key in changed if key not in DEPLOYMENT_OPTIONS)
     if old_model != new_model:
         restart = ("model", *restart)
     in_place = tuple(key for key in changed if key in DEPLOYMENT_OPTIONS)
+    # Like the weight, the capture counts where both sides have one (a running engine has none).
+    both = isinstance(old_arm, ArmConfig) and isinstance(new_arm, ArmConfig)
+    if both and old_arm.capture != new_arm.capture:  # type: ignore[attr-defined]
+        in_place = (*in_place, "capture")
     old_weight, new_weight = getattr(old_arm, "weight", None), getattr(new_arm, "weight", None)
     weight = None
     if old_weight is not None and new_weight is not None and old_weight != new_weight:

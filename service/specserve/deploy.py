@@ -42,7 +42,7 @@ from specserve.serve_config import (
     draining_router,
     serve_config,
 )
-from specserve.settings import Settings
+from specserve.settings import CAPTURE_DIR_ENV, Settings
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,8 @@ class Platform:
                 # Every process of the local cluster inherits this: the HTTP proxy loads the
                 # dispatch, which routes the requests (router/dispatch.py).
                 os.environ[PROXY_HOOK_ENV] = PROXY_HOOK
+                # The arms keep their capture samples here (capture/store.py).
+                os.environ[CAPTURE_DIR_ENV] = str(s.capture_path())
                 os.environ.setdefault(WORKER_NICENESS_ENV, WORKER_NICENESS)
                 ray.init(
                     num_cpus=s.ray_num_cpus,

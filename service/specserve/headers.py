@@ -21,6 +21,12 @@ RETRY_AFTER = "retry-after"
 REQUEST_TIMEOUT_S = "x-specserve-request-timeout-s"
 # Request: where a stream cut by a dying replica stands, for the arm to resume it (wire/resume.py).
 RESUME_FROM = "x-specserve-resume-from"
+# Request: the arm keeps this request's token ids (its capture sample, docs/capture.md); the
+# value is the store's bounds as JSON (capture/store.py).
+CAPTURE = "x-specserve-capture"
+# Request, from a client: `1` keeps the request out of every capture sample (the dispatch reads
+# it and does not pass it on).
+NO_CAPTURE = "x-specserve-no-capture"
 # Response: the token count and speculative-decoding stats of a non-streaming answer, which the
 # dispatch records and removes (a stream carries them in its final usage chunk).
 USAGE = "x-specserve-usage"

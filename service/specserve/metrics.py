@@ -117,6 +117,9 @@ CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
 API_KEY_REQUESTS = f"{PREFIX}_api_key_requests"
 API_KEY_OUTPUT_TOKENS = f"{PREFIX}_api_key_output_tokens"
 ARM_STATES_AGE = f"{PREFIX}_arm_states_age_seconds"
+# Recorded by the arms' engine replicas (capture/), not the router.
+CAPTURED_RECORDS = f"{PREFIX}_captured_records"
+CAPTURE_DROPPED = f"{PREFIX}_capture_dropped_records"
 
 COUNTERS = (
     REQUESTS,
@@ -136,6 +139,8 @@ COUNTERS = (
     REQUEST_STAT_SQUARES,
     API_KEY_REQUESTS,
     API_KEY_OUTPUT_TOKENS,
+    CAPTURED_RECORDS,
+    CAPTURE_DROPPED,
 )
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN,
@@ -453,6 +458,28 @@ class RouterMetrics:
                 self.accepted_per_position.inc(
                     accepted, self._tags(arm, **{POSITION: str(position)})
                 )
+
+
+class CaptureMetrics:
+    """What an arm's engine replica keeps of its capture sample (capture/store.py)."""
+
+    def __init__(self, model: str, arm: str) -> None:
+        self._tags = {MODEL: model, ARM: arm}
+        self.written = Counter(
+            CAPTURED_RECORDS, "Records of sampled requests kept in the capture store.", (MODEL, ARM)
+        )
+        self.dropped = Counter(
+            CAPTURE_DROPPED,
+            "Records of sampled requests lost: the writer was behind, or the store could not "
+            "be written.",
+            (MODEL, ARM),
+        )
+
+    def count_written(self, n: int) -> None:
+        self.written.inc(n, self._tags)
+
+    def count_dropped(self, n: int) -> None:
+        self.dropped.inc(n, self._tags)
 
 
 def scrape(url: str, timeout_s: float = 10) -> Iterator[tuple[str, Sample]]:

@@ -9,10 +9,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
+ENV_PREFIX = "SPECSERVE_"
+# Read by the arms' engine replicas, in processes Ray starts: a local cluster inherits it.
+CAPTURE_DIR_ENV = f"{ENV_PREFIX}CAPTURE_DIR"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECSERVE_")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     config: Path = Field(
         DEFAULT_CONFIG_PATH,
@@ -21,6 +24,11 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(
         Path.home() / ".cache" / "specserve",
         description="Where prepared models and other derived artefacts are kept.",
+    )
+    capture_dir: Path | None = Field(
+        None,
+        description="Where arms keep their capture samples (docs/capture.md); on Kubernetes a "
+        "mounted volume. Unset: `<cache_dir>/capture`.",
     )
     host: str = Field("127.0.0.1", description="Address the OpenAI endpoint listens on.")
     port: int = Field(8000, description="Port of the OpenAI endpoint (Ray Serve HTTP proxy).")
@@ -67,6 +75,9 @@ class Settings(BaseSettings):
         description="Logical CPUs of a local Ray cluster. Each engine replica asks for 2, so a "
         "2-core machine needs more logical than physical CPUs.",
     )
+
+    def capture_path(self) -> Path:
+        return self.capture_dir or self.cache_dir / "capture"
 
 
 @lru_cache

@@ -59,6 +59,23 @@ def test_minimal_config_gets_defaults():
             "`model.source`",
         ),
         ("model: {name: m, source: s}\narms: []\n", "`arms`"),
+        (
+            BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, capture: {}}"),
+            "arms.0.capture.sample",
+        ),
+        (
+            BASE.replace(
+                "{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, capture: {sample: 0}}"
+            ),
+            "arms.0.capture.sample",
+        ),
+        (
+            BASE.replace(
+                "{name: no-spec, weight: 1}",
+                "{name: no-spec, weight: 1, capture: {sample: 0.1, max_age_s: .inf}}",
+            ),
+            "arms.0.capture.max_age_s",
+        ),
     ],
 )
 def test_invalid_configs_name_the_field(text, message):
@@ -81,6 +98,18 @@ def test_engine_args_leave_out_weight_and_unset_defaults():
         "name": "ngram",
         "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     }
+
+
+def test_capture_is_the_routers_and_never_reaches_the_engine():
+    captured = parse_config(
+        BASE.replace(
+            "{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, capture: {sample: 0.05}}"
+        )
+    )
+    arm = captured.arm("no-spec")
+    assert arm.capture.sample == 0.05 and arm.capture.max_records == 100_000
+    assert arm.engine_args() == parse_config(BASE).arm("no-spec").engine_args()
+    assert "capture" not in str(build_llm_config(arm, captured.model).model_dump())
 
 
 def test_llm_config_carries_speculation_and_per_request_stats():

@@ -44,6 +44,15 @@ CASES = [
         {},
     ),
     (
+        "a capture sample turned on (live, in the router)",
+        edit(
+            DEFAULT,
+            "- name: ngram\n    weight: 25",
+            "- name: ngram\n    weight: 25\n    capture: {sample: 0.05}",
+        ),
+        {},
+    ),
+    (
         "replicas",
         edit(
             DEFAULT, NO_SPEC, "    weight: 25\n    replicas: 2\n    speculative: {method: none}\n"
@@ -124,6 +133,11 @@ def test_diff_and_apply_classify_every_arm_alike(name, new, expected):
     assert new != DEFAULT
     assert diff_says(DEFAULT, new) == expected
     assert apply_does(DEFAULT, new) == expected
+
+
+def test_a_capture_change_is_said_to_apply_live():
+    lines = diff_configs(parse_config(DEFAULT), parse_config(CASES[2][1]))
+    assert lines == ["~ arm ngram capture changed (live)"]
 
 
 def test_defaults_written_out_are_no_change_at_all():

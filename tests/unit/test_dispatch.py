@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specserve import headers
+from specserve.capture.store import Bounds
 from specserve.router import dispatch as dispatch_module
 from specserve.router.arm_states import ServeState
 from specserve.router.dispatch import Dispatch
@@ -26,7 +27,7 @@ model: {{name: m, source: /nowhere, accelerator: cpu}}
 limits: {{max_tokens: 64, max_total_tokens: 128, body_timeout_s: 0.5{per_key}}}
 guardrail: {{min_acceptance_length: 1.5, window_s: 60, min_drafts: 20, drain_s: 300}}
 arms:
-  - {{name: a, weight: 1, speculative: {{method: ngram, num_speculative_tokens: 3}}}}
+  - {{name: a, weight: 1, speculative: {{method: ngram, num_speculative_tokens: 3}}{capture}}}
   - {{name: b, weight: {weight_b}}}
 """
 
@@ -84,10 +85,17 @@ class Client:
     """One dispatch (as in one proxy) over the fake arms, driven as ASGI."""
 
     def __init__(
-        self, tmp_path: Path, monkeypatch, *, exposed=frozenset(), per_key="", weight_b=0
+        self,
+        tmp_path: Path,
+        monkeypatch,
+        *,
+        exposed=frozenset(),
+        per_key="",
+        weight_b=0,
+        capture="",
     ) -> None:
         self.config = tmp_path / "config.yaml"
-        self.config.write_text(CONFIG.format(per_key=per_key, weight_b=weight_b))
+        self.config.write_text(CONFIG.format(per_key=per_key, weight_b=weight_b, capture=capture))
         self.api_keys = tmp_path / "api-keys"
         self.api_keys.write_text(f"# public keys\nteam-a={PUBLIC_KEY}\n")
         self.admin_keys = tmp_path / "admin-keys"
@@ -287,6 +295,45 @@ def test_identical_requests_cut_by_one_replica_death_are_all_replayed(client):
         assert [status for status, _, _ in answers] == [200, 200, 200]
         assert len(client.arms.requests) == 6  # three cut, three replayed
         assert sum(client.dispatch.state.at_arm.values()) == 0
+
+    run(main())
+
+
+def test_a_sampled_request_reaches_its_arm_with_the_capture_bounds_unless_opted_out(
+    tmp_path, monkeypatch
+):
+    client = Client(
+        tmp_path,
+        monkeypatch,
+        capture=", capture: {sample: 1.0, max_records: 50, max_age_s: 60}",
+        per_key=", per_key: {ops: {capture: false}}",  # the admin key's name
+    )
+    capture, no_capture = headers.CAPTURE.encode(), headers.NO_CAPTURE.encode()
+
+    def sent() -> dict[bytes, bytes]:
+        return client.arms.requests[-1]["headers"]
+
+    async def main():
+        assert (await client.request(extra={headers.CAPTURE: "forged"}))[0] == 200
+        assert Bounds.from_header(sent()[capture].decode()) == Bounds(50, 60.0)
+        await client.request(extra={headers.NO_CAPTURE: "1"})  # the client opts out
+        assert capture not in sent() and no_capture not in sent()
+        await client.request(key=ADMIN_KEY)  # its key opted out
+        assert capture not in sent()
+        await client.request(key=ADMIN_KEY, extra={headers.ARM_OVERRIDE: "b"})  # no capture
+        assert capture not in sent()
+
+    run(main())
+
+
+def test_capture_samples_requests_at_the_configured_rate(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch, capture=", capture: {sample: 0.25}")
+
+    async def main():
+        for _ in range(400):
+            await client.request()
+        captured = sum(headers.CAPTURE.encode() in r["headers"] for r in client.arms.requests)
+        assert 60 <= captured <= 140  # 100 expected; 4.6 standard deviations either side
 
     run(main())
 

@@ -69,6 +69,9 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.count_auth(m.NO_KEY, m.AUTH_INVALID)
     metrics.count_key_tokens("team-a", 7)
     metrics.set_arm_states_age(2.5)
+    capture = m.CaptureMetrics("m1", "a")  # an arm's engine replica
+    capture.count_written(3)
+    capture.count_dropped(1)
 
     def sample(name, **labels):
         return (m.EXPORT_PREFIX + name, frozenset({"model": "m1", **labels}.items()))
@@ -105,6 +108,8 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.API_KEY_REQUESTS + "_total", key="-", result="invalid") == 1
     assert value(m.API_KEY_OUTPUT_TOKENS + "_total", key="team-a") == 7
     assert value(m.ARM_STATES_AGE) == 2.5
+    assert value(m.CAPTURED_RECORDS + "_total", arm="a") == 3
+    assert value(m.CAPTURE_DROPPED + "_total", arm="a") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1

@@ -21,9 +21,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from ray import serve
 from ray.serve.llm import LLMConfig, LLMServer
 
 from specserve import headers
+from specserve.capture.store import Bounds, CaptureWriter
+from specserve.capture.tap import Tap
+from specserve.metrics import CaptureMetrics
+from specserve.settings import get_settings
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     SSE_DONE,
@@ -52,6 +57,8 @@ class ArmServer(LLMServer):
     async def __init__(self, llm_config: LLMConfig, *, arm: str, expose_vllm: bool = False):  # type: ignore[misc]  # Serve awaits an async constructor
         self.arm = arm
         self.expose_vllm = expose_vllm
+        self.model = llm_config.model_id
+        self._capture_writer: CaptureWriter | None = None
         await super().__init__(llm_config)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
@@ -81,12 +88,50 @@ class ArmServer(LLMServer):
                 body.messages = data["messages"]
             timeout_s = float(request.headers.get(headers.REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S))
             resumed = await self._resume(request.headers.get(headers.RESUME_FROM), body, endpoint)
+            tap = (
+                None if resumed else self._tap(request.headers.get(headers.CAPTURE), body, endpoint)
+            )
             # LLMServer.chat / .completions: the replica's engine, in this process.
             generator = await getattr(self, endpoint)(body, None)
-            return await respond(generator, body, answer_headers, timeout_s, resumed)
+            return await respond(generator, body, answer_headers, timeout_s, resumed, tap)
         except OpenAIError as exc:
             exc.headers = {**answer_headers, **(exc.headers or {})}  # the arm answered
             raise
+
+    def _tap(self, value: str | None, body: Any, endpoint: str) -> CaptureTap | None:
+        """A request in the arm's capture sample (the dispatch drew it): vLLM is asked for its
+        token ids, which the tap takes from the answer and hands to this replica's writer."""
+        if value is None:
+            return None
+        try:
+            bounds = Bounds.from_header(value)
+        except ValueError:
+            logger.warning("request %s: unreadable capture bounds; not captured", request_id())
+            return None
+        client_asked = bool(getattr(body, "return_token_ids", False))
+        body.return_token_ids = True
+        return CaptureTap(
+            self._writer(),
+            bounds,
+            Tap(
+                self.arm,
+                endpoint,
+                client_asked=client_asked,
+                stream=bool(getattr(body, "stream", False)),
+            ),
+        )
+
+    def _writer(self) -> CaptureWriter:
+        if self._capture_writer is None:
+            metrics = CaptureMetrics(self.model, self.arm)
+            self._capture_writer = CaptureWriter(
+                get_settings().capture_path(),
+                self.arm,
+                serve.get_replica_context().replica_id.unique_id,
+                on_written=metrics.count_written,
+                on_dropped=metrics.count_dropped,
+            )
+        return self._capture_writer
 
     async def _resume(self, value: str | None, body: Any, endpoint: str) -> ResumedStream | None:
         """A stream the dispatch resumes after its first replica died: the request turned into
@@ -113,15 +158,35 @@ class ArmServer(LLMServer):
         return ResumedStream(point, endpoint, prior_tokens)
 
 
+class CaptureTap:
+    """A sampled request's tap and where its records go once its answer has ended."""
+
+    def __init__(self, writer: CaptureWriter, bounds: Bounds, tap: Tap) -> None:
+        self.writer, self.bounds, self.tap = writer, bounds, tap
+
+    def take_event(self, text: str) -> str:
+        """A stream event with the token ids taken out ('' for one left with nothing)."""
+        if not text.startswith("data: {"):
+            return text
+        payload = json.loads(text[len("data: ") :])
+        return f"data: {json.dumps(payload)}\n\n" if self.tap.take(payload) else ""
+
+    def keep(self) -> None:
+        for record in self.tap.records():
+            self.writer.put(record, self.bounds)
+
+
 async def respond(
     generator: AsyncIterator[Any],
     body: Any,
     answer_headers: dict[str, str],
     timeout_s: float,
     resumed: ResumedStream | None = None,
+    capture: CaptureTap | None = None,
 ) -> Response:
     """The HTTP response for the engine's output; `timeout_s` bounds the whole request, a stream
-    included; a resumed stream's events continue the stream it resumes."""
+    included; a resumed stream's events continue the stream it resumes; a sampled request's
+    token ids go to the capture store, once its answer has ended."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         async with asyncio.timeout_at(deadline) as limit:
@@ -143,6 +208,9 @@ async def respond(
 
     if not getattr(body, "stream", False):
         payload = chunk.model_dump(mode="json", exclude_none=True)
+        if capture is not None:
+            capture.tap.take(payload)
+            capture.keep()
         usage = {"usage": payload.get("usage"), "metrics": payload.get("metrics")}
         return Response(
             json.dumps(payload),
@@ -150,7 +218,7 @@ async def respond(
             headers={**answer_headers, headers.USAGE: json.dumps(usage)},
         )
     return StreamingResponse(
-        _stream(first, generator, deadline, timeout_s, resumed),
+        _stream(first, generator, deadline, timeout_s, resumed, capture),
         media_type="text/event-stream",
         headers=answer_headers,
     )
@@ -162,9 +230,10 @@ async def _stream(
     deadline: float,
     timeout_s: float,
     resumed: ResumedStream | None = None,
+    capture: CaptureTap | None = None,
 ) -> AsyncIterator[str]:
     """Pass the stream through. It always ends with `[DONE]`; one cut short (timeout, a failed
-    engine) ends with an OpenAI error event first, never silently."""
+    engine) ends with an OpenAI error event first, never silently (and is not captured)."""
     done_sent = False
     try:
         item = first
@@ -175,6 +244,8 @@ async def _stream(
                     done_sent = True
                 elif resumed is not None:
                     text = resumed.rewrite(text)
+                elif capture is not None:
+                    text = capture.take_event(text)
                 if text:
                     yield text
             try:
@@ -184,6 +255,8 @@ async def _stream(
                     raise TimeoutError
             except StopAsyncIteration:
                 break
+        if capture is not None:
+            capture.keep()
         if not done_sent:
             yield SSE_DONE
     except TimeoutError:

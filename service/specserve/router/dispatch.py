@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import re
 import time
 import uuid
@@ -38,6 +39,7 @@ from ray.serve._private.constants import SERVE_LOGGER_NAME
 from starlette.middleware import Middleware
 
 from specserve import headers, versions
+from specserve.capture.store import Bounds
 from specserve.config import ConfigError, LimitsConfig, LoadedConfig, RouterConfig, load_config
 from specserve.config_checks import check_engine_settings
 from specserve.metrics import (
@@ -107,12 +109,15 @@ _USAGE = headers.USAGE.encode()
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
 _RESUME_FROM = headers.RESUME_FROM.encode()
 # Request headers a client may not pass on to an arm: its key, and those that steer Ray Serve.
+_CAPTURE = headers.CAPTURE.encode()
 _NOT_FOR_ARMS = frozenset(
     name.encode()
     for name in (
         headers.AUTHORIZATION,
         headers.REQUEST_TIMEOUT_S,
         headers.RESUME_FROM,
+        headers.CAPTURE,
+        headers.NO_CAPTURE,
         *headers.RAY_SERVE_STEERING,
     )
 )
@@ -423,8 +428,13 @@ class DispatchState:
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
             timeout_s = config.limits.request_timeout_s
+            capture = _capture(config, record.arm, request_headers, identity)
             await self._at_arm(
-                exchange, app, _arm_scope(scope, record.arm, timeout_s), raw, receive
+                exchange,
+                app,
+                _arm_scope(scope, record.arm, timeout_s, capture=capture),
+                raw,
+                receive,
             )
             point = exchange.cut_at()
             if (exchange.unanswered() or point is not None) and not exchange.client_gone:
@@ -457,7 +467,16 @@ class DispatchState:
                         client_wants_usage=wants_usage(data),
                         resumes=exchange if point else None,
                     )
-                    arm_scope = _arm_scope(scope, record.arm, timeout_s, point)
+                    arm_scope = _arm_scope(
+                        scope,
+                        record.arm,
+                        timeout_s,
+                        point,
+                        # The request again, where it is captured at all; a stream's rest is not.
+                        capture=None
+                        if point
+                        else _capture(config, record.arm, request_headers, identity),
+                    )
                     fate = Fate.UNKNOWN
                     try:
                         await self._at_arm(exchange, app, arm_scope, raw, receive)
@@ -853,10 +872,33 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
 
 
+def _capture(
+    config: RouterConfig, arm: str, request_headers: dict[str, str], identity: Identity | None
+) -> Bounds | None:
+    """The capture store's bounds if this request is in its arm's capture sample: drawn at the
+    arm's rate, unless the client or its key opted out."""
+    settings = (found := config.arm(arm)) and found.capture
+    if not settings or request_headers.get(headers.NO_CAPTURE, "").strip() == "1":
+        return None
+    if identity is not None:
+        limit = config.limits.key_limit(identity.name)
+        if limit is not None and not limit.capture:
+            return None
+    if random.random() >= settings.sample:
+        return None
+    return Bounds(settings.max_records, settings.max_age_s)
+
+
 def _arm_scope(
-    scope: Scope, arm: str, timeout_s: float, resume: ResumePoint | None = None
+    scope: Scope,
+    arm: str,
+    timeout_s: float,
+    resume: ResumePoint | None = None,
+    *,
+    capture: Bounds | None = None,
 ) -> Scope:
-    """The request as the proxy routes it to the arm's application (resumed from `resume`)."""
+    """The request as the proxy routes it to the arm's application (resumed from `resume`; its
+    token ids kept by the arm within `capture`'s bounds)."""
     path = ARM_ROUTE_PREFIX + arm + scope["path"]
     # The time limit is the config's; the client's key and the headers that steer Ray Serve
     # stay behind.
@@ -864,6 +906,8 @@ def _arm_scope(
     kept.append((_TIMEOUT, repr(timeout_s).encode()))
     if resume is not None:
         kept.append((_RESUME_FROM, resume.header().encode()))
+    if capture is not None:
+        kept.append((_CAPTURE, capture.header().encode()))
     return {**scope, "path": path, "raw_path": path.encode(), "headers": kept}
 
 

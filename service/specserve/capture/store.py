@@ -1,0 +1,252 @@
+"""The capture store: sampled requests' token ids, kept on disk to adapt drafters from.
+
+Layout: `<dir>/<arm>/<shard>-<n>.jsonl`, one shard name per writer (an engine replica), numbered
+files rotated every `ROTATE_RECORDS` records (fewer for a small `max_records`); a file is
+complete once the next one is begun.
+One JSON object a line (`Record`). Files are written by one thread per writer, never on an
+event loop, readable by their owner only (they hold prompts: token ids decode to the text).
+
+Bounds, per writer: at most `max_records` records (the oldest files are deleted first) and no
+file older than `max_age_s` (checked on every rotation and every `PRUNE_EVERY_S`). A writer
+whose queue is full drops the record and counts it: capture never slows serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".jsonl"
+ROTATE_RECORDS = 1000
+PRUNE_EVERY_S = 60.0
+QUEUE_SIZE = 1024
+# A shard's files: `<shard>-<n>.jsonl`; the shard is a replica's id, made safe for a file name.
+_FILE = re.compile(r"^(?P<shard>[A-Za-z0-9._-]+)-(?P<n>\d+)\.jsonl$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass
+class Record:
+    """One answer of a sampled request: what the target was given and what it produced."""
+
+    arm: str
+    endpoint: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How much one writer keeps: the arm's `capture` settings, sent with each sampled request
+    (the `x-specserve-capture` header) so a change applies without restarting an engine."""
+
+    max_records: int
+    max_age_s: float
+
+    def header(self) -> str:
+        return json.dumps({"max_records": self.max_records, "max_age_s": self.max_age_s})
+
+    @classmethod
+    def from_header(cls, value: str) -> Bounds:
+        """The bounds a header carries; ValueError for anything else."""
+        try:
+            found = json.loads(value)
+            bounds = cls(int(found["max_records"]), float(found["max_age_s"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"not capture bounds: {value[:100]!r}") from exc
+        if bounds.max_records < 1 or not 0 < bounds.max_age_s < float("inf"):
+            raise ValueError(f"capture bounds out of range: {value[:100]!r}")
+        return bounds
+
+
+def shard_name(replica_id: str) -> str:
+    return _UNSAFE.sub("_", replica_id)[:100] or "replica"
+
+
+class CaptureWriter:
+    """Appends records to one shard from a thread of its own."""
+
+    def __init__(
+        self,
+        directory: Path,
+        arm: str,
+        shard: str,
+        *,
+        on_written: Callable[[int], None] = lambda n: None,
+        on_dropped: Callable[[int], None] = lambda n: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.directory = directory / arm
+        self.shard = shard_name(shard)
+        self.on_written, self.on_dropped, self.clock = on_written, on_dropped, clock
+        self._queue: queue.Queue[tuple[Record, Bounds] | None] = queue.Queue(QUEUE_SIZE)
+        self._thread = threading.Thread(target=self._run, name="specserve-capture", daemon=True)
+        self._thread.start()
+
+    def put(self, record: Record, bounds: Bounds) -> bool:
+        """Queue a record; False (and counted as dropped) when the writer is behind."""
+        try:
+            self._queue.put_nowait((record, bounds))
+        except queue.Full:
+            self.on_dropped(1)
+            return False
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        out = None
+        written, last_prune = 0, 0.0
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            record, bounds = item
+            try:
+                if out is None or written >= _rotate_at(bounds):
+                    if out is not None:
+                        out.close()
+                    out, written = self._next_file(), 0
+                    last_prune = self._prune(bounds)
+                elif self.clock() - last_prune > PRUNE_EVERY_S:
+                    last_prune = self._prune(bounds)
+                out.write(json.dumps(asdict(record), separators=(",", ":")) + "\n")
+                out.flush()
+                written += 1
+                self.on_written(1)
+            except OSError:
+                logger.exception("capture: cannot write under %s; record dropped", self.directory)
+                self.on_dropped(1)
+                out = None
+        if out is not None:
+            out.close()
+
+    def _next_file(self):  # noqa: ANN202  # a text file
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        numbers = [n for shard, n, _ in _files(self.directory) if shard == self.shard]
+        path = self.directory / f"{self.shard}-{max(numbers, default=-1) + 1}{SUFFIX}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return os.fdopen(fd, "w", encoding="utf-8")
+
+    def _prune(self, bounds: Bounds) -> float:
+        """Delete this shard's files past the bounds: too old, or beyond `max_records` (oldest
+        first; the newest file, being written, stays)."""
+        now = self.clock()
+        mine = sorted((n, path) for shard, n, path in _files(self.directory) if shard == self.shard)
+        kept = 0
+        for _, path in reversed(mine[:-1]):
+            try:
+                too_old = now - path.stat().st_mtime > bounds.max_age_s
+                records = _count_lines(path)
+            except FileNotFoundError:
+                continue
+            if too_old or kept + records > bounds.max_records - _rotate_at(bounds):
+                path.unlink(missing_ok=True)
+            else:
+                kept += records
+        return now
+
+
+def _rotate_at(bounds: Bounds) -> int:
+    """Records per file: small enough that the files kept and the one being written stay
+    within `max_records` together."""
+    return max(1, min(ROTATE_RECORDS, bounds.max_records // 10))
+
+
+def _files(directory: Path) -> Iterator[tuple[str, int, Path]]:
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return
+    for path in entries:
+        match = _FILE.match(path.name)
+        if match:
+            yield match["shard"], int(match["n"]), path
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+@dataclass
+class ArmStats:
+    arm: str
+    records: int
+    files: int
+    bytes: int
+    oldest: float | None
+    newest: float | None
+
+
+def stats(directory: Path) -> list[ArmStats]:
+    """What the store holds, per arm."""
+    found = []
+    for arm_dir in sorted(p for p in _dirs(directory)):
+        paths = [path for _, _, path in _files(arm_dir)]
+        if not paths:
+            continue
+        times = [path.stat().st_mtime for path in paths]
+        found.append(
+            ArmStats(
+                arm=arm_dir.name,
+                records=sum(_count_lines(path) for path in paths),
+                files=len(paths),
+                bytes=sum(path.stat().st_size for path in paths),
+                oldest=min(times),
+                newest=max(times),
+            )
+        )
+    return found
+
+
+def purge(directory: Path, arm: str | None = None, older_than_s: float | None = None) -> int:
+    """Delete captured files (of one arm, or all; only those older than `older_than_s` if set);
+    returns how many records were deleted."""
+    now = time.time()
+    deleted = 0
+    for arm_dir in _dirs(directory):
+        if arm is not None and arm_dir.name != arm:
+            continue
+        for _, _, path in list(_files(arm_dir)):
+            if older_than_s is not None and now - path.stat().st_mtime <= older_than_s:
+                continue
+            deleted += _count_lines(path)
+            path.unlink(missing_ok=True)
+    return deleted
+
+
+def read(directory: Path, arm: str | None = None) -> Iterator[Record]:
+    """Every record kept (of one arm, or all), file by file; a line cut by a crash is skipped."""
+    for arm_dir in _dirs(directory):
+        if arm is not None and arm_dir.name != arm:
+            continue
+        for _, _, path in sorted(_files(arm_dir), key=lambda f: (f[0], f[1])):
+            with path.open(encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        yield Record(**json.loads(line))
+                    except (ValueError, TypeError):
+                        continue
+
+
+def _dirs(directory: Path) -> list[Path]:
+    try:
+        return sorted(p for p in directory.iterdir() if p.is_dir())
+    except FileNotFoundError:
+        return []

@@ -97,7 +97,8 @@ not operator versions): the values say it, and the chart's annotation says the o
 {{- if not (semverCompare (printf ">=%s-0" $minimum) .Values.kuberay.version) }}
 {{- fail (printf "kuberay.version: %s is older than KubeRay %s, the oldest this chart works with (authOptions, Ray's token auth, needs 1.5.1 and older operators drop it; the serve Service's own port needs 1.6): upgrade the KubeRay operator and set kuberay.version to its version" .Values.kuberay.version $minimum) }}
 {{- end }}
-{{- include "specserve.validateModelCache" . }}
+{{- include "specserve.validateClaim" (dict "root" . "key" "modelCache") }}
+{{- include "specserve.validateClaim" (dict "root" . "key" "captureStore") }}
 {{- range $i, $group := prepend .Values.workerGroups .Values.head }}
 {{- $key := ternary "head" (printf "workerGroups[%d]" (sub $i 1)) (eq $i 0) }}
 {{- with $group.shmSizeLimit }}
@@ -125,19 +126,21 @@ not operator versions): the values say it, and the chart's annotation says the o
 {{- end }}
 {{- end }}
 
-{{/* The model cache: a claim every engine pod mounts (the head does no model work). */}}
-{{- define "specserve.validateModelCache" -}}
-{{- with .Values.modelCache }}
+{{/* A claim every engine pod mounts (the head does no model work): the model cache, the capture
+store. Args: root, key (the values section's name). */}}
+{{- define "specserve.validateClaim" -}}
+{{- $key := .key }}
+{{- with index .root.Values $key }}
 {{- if .enabled }}
 {{- if and (has "ReadWriteMany" .accessModes) (not .existingClaim) (not .storageClassName) }}
-{{- fail "modelCache.storageClassName: a ReadWriteMany claim needs a storage class that provides ReadWriteMany (NFS, CephFS, Amazon EFS, Filestore, Azure Files, ...); the usual default classes are block storage and leave the claim Pending. Name such a class, or mount a claim of your own with modelCache.existingClaim (docs/kubernetes.md)" }}
+{{- fail (printf "%s.storageClassName: a ReadWriteMany claim needs a storage class that provides ReadWriteMany (NFS, CephFS, Amazon EFS, Filestore, Azure Files, ...); the usual default classes are block storage and leave the claim Pending. Name such a class, or mount a claim of your own with %s.existingClaim (docs/kubernetes.md)" $key $key) }}
 {{- end }}
 {{- $pods := 0 }}
-{{- range $.Values.workerGroups }}
+{{- range $.root.Values.workerGroups }}
 {{- $pods = add $pods (default .replicas .maxReplicas) }}
 {{- end }}
 {{- if and (gt (int $pods) 1) (not (has "ReadWriteMany" .accessModes)) (not (has "ReadOnlyMany" .accessModes)) }}
-{{- fail (printf "modelCache.accessModes: %s attaches the volume to one node, but %d engine pods mount it (the worker groups' maxReplicas), which gives Multi-Attach errors: use [ReadWriteMany] with a modelCache.storageClassName that provides it, or a single engine pod (with modelCache.existingClaim, give the claim's own access modes)" (join "," .accessModes) (int $pods)) }}
+{{- fail (printf "%s.accessModes: %s attaches the volume to one node, but %d engine pods mount it (the worker groups' maxReplicas), which gives Multi-Attach errors: use [ReadWriteMany] with a %s.storageClassName that provides it, or a single engine pod (with %s.existingClaim, give the claim's own access modes)" $key (join "," .accessModes) (int $pods) $key $key) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -236,6 +239,13 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
     claimName: {{ default (printf "%s-model-cache" (include "specserve.fullname" $.root)) .existingClaim }}
 {{- end }}
 {{- end }}
+{{- with .root.Values.captureStore }}
+{{- if and .enabled $.engines }}
+- name: capture-store
+  persistentVolumeClaim:
+    claimName: {{ default (printf "%s-capture" (include "specserve.fullname" $.root)) .existingClaim }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Args: root, engines (a worker pod: engines run there and mount the model cache). */}}
@@ -257,6 +267,10 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 {{- end }}
 {{- end }}
 {{- include "specserve.modelCacheMount" . }}
+{{- if and .root.Values.captureStore.enabled .engines }}
+- name: capture-store
+  mountPath: {{ .root.Values.captureStore.mountPath }}
+{{- end }}
 {{- end }}
 
 {{- define "specserve.modelCacheMount" -}}
@@ -294,6 +308,11 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 {{- if and .Values.modelCache.enabled $engines }}
 - name: HF_HOME
   value: {{ include "specserve.hfHome" . }}
+{{- end }}
+{{- if and .Values.captureStore.enabled $engines }}
+# The arms' engine replicas keep their capture samples here (docs/capture.md).
+- name: SPECSERVE_CAPTURE_DIR
+  value: {{ .Values.captureStore.mountPath }}
 {{- end }}
 {{- if $engines }}
 {{- with .Values.huggingFaceToken.secretName }}

@@ -169,7 +169,8 @@ class CaptureTap:
         if not text.startswith("data: {"):
             return text
         payload = json.loads(text[len("data: ") :])
-        return f"data: {json.dumps(payload)}\n\n" if self.tap.take(payload) else ""
+        keep = self.tap.take(payload)
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if keep else ""
 
     def keep(self) -> None:
         for record in self.tap.records():

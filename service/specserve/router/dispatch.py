@@ -108,8 +108,9 @@ _ARM = headers.ARM.encode()
 _USAGE = headers.USAGE.encode()
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
 _RESUME_FROM = headers.RESUME_FROM.encode()
-# Request headers a client may not pass on to an arm: its key, and those that steer Ray Serve.
 _CAPTURE = headers.CAPTURE.encode()
+# Request headers a client may not pass on to an arm: its key, the platform's own, and those
+# that steer Ray Serve.
 _NOT_FOR_ARMS = frozenset(
     name.encode()
     for name in (

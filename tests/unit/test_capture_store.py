@@ -63,6 +63,18 @@ def test_files_older_than_max_age_are_deleted(tmp_path):
     assert [r.prompt_token_ids[-1] for r in store.read(tmp_path)] == [100]
 
 
+def test_a_stopped_replicas_files_age_out_through_the_replicas_that_run(tmp_path):
+    gone = CaptureWriter(tmp_path, "eagle3", "stopped-replica")
+    write(gone, 5)
+    gone.close()
+    (path,) = (tmp_path / "eagle3").iterdir()
+    os.utime(path, (time.time() - 7200, time.time() - 7200))
+    live = CaptureWriter(tmp_path, "eagle3", "running-replica")
+    write(live, 1, Bounds(max_records=100, max_age_s=3600))
+    live.close()
+    assert [p.name for p in (tmp_path / "eagle3").iterdir()] == ["running-replica-0.jsonl"]
+
+
 def test_a_store_that_cannot_be_written_drops_and_counts_but_does_not_raise(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")

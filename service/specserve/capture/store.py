@@ -7,12 +7,15 @@ One JSON object a line (`Record`). Files are written by one thread per writer, n
 event loop, readable by their owner only (they hold prompts: token ids decode to the text).
 
 Bounds, per writer: at most `max_records` records (the oldest files are deleted first) and no
-file older than `max_age_s` (checked on every rotation and every `PRUNE_EVERY_S`). A writer
+file older than `max_age_s` (checked on every rotation and every `PRUNE_EVERY_S`); a writer also
+deletes the arm's files of other shards once they are older than `max_age_s`, so a stopped
+replica's records age out too. A writer
 whose queue is full drops the record and counts it: capture never slows serving.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -145,9 +148,16 @@ class CaptureWriter:
 
     def _prune(self, bounds: Bounds) -> float:
         """Delete this shard's files past the bounds: too old, or beyond `max_records` (oldest
-        first; the newest file, being written, stays)."""
+        first; the newest file, being written, stays). Files of other shards (replicas that
+        stopped, or others of the arm) go once they are too old."""
         now = self.clock()
-        mine = sorted((n, path) for shard, n, path in _files(self.directory) if shard == self.shard)
+        files = list(_files(self.directory))
+        for shard, _, path in files:
+            if shard != self.shard:
+                with contextlib.suppress(FileNotFoundError):
+                    if now - path.stat().st_mtime > bounds.max_age_s:
+                        path.unlink(missing_ok=True)
+        mine = sorted((n, path) for shard, n, path in files if shard == self.shard)
         kept = 0
         for _, path in reversed(mine[:-1]):
             try:

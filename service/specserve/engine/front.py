@@ -168,7 +168,11 @@ class CaptureTap:
         """A stream event with the token ids taken out ('' for one left with nothing)."""
         if not text.startswith("data: {"):
             return text
-        payload = json.loads(text[len("data: ") :])
+        try:
+            payload = json.loads(text[len("data: ") :])
+        except ValueError:  # not vLLM's: pass it on as it is, the capture is what suffers
+            logger.warning("request %s: an event the capture cannot read", request_id())
+            return text
         keep = self.tap.take(payload)
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if keep else ""
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import collections
 import os
 
+import jsonschema
 import pytest
 import schemathesis
+import yaml
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
@@ -77,6 +79,22 @@ def assert_openai_error(response) -> dict:
     return error
 
 
+def breaks_the_document(live, path: str, body: object, arm: str | None) -> bool:
+    """Whether a request breaks the OpenAPI document: its body against the path's schema, its
+    arm header against the arms. Schemathesis's negative mode mutates a request to break the
+    schema, but a mutation does not always succeed (a property added where others are allowed,
+    a string where any string goes): such a request is valid, and served rightly."""
+    if not isinstance(body, (dict, list, str, int, float, bool, type(None))):
+        return True  # no body at all (schemathesis's marker for one left out)
+    doc = live.http.get("/openapi.json").json()
+    content = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    validator = jsonschema.Draft202012Validator(
+        {**content["schema"], "components": doc["components"]}
+    )
+    arms = [a["name"] for a in yaml.safe_load(live.config_path.read_text())["arms"]]
+    return not validator.is_valid(body) or (arm is not None and arm not in arms)
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 @pytest.mark.parametrize("path", PATHS)
 def test_generated_requests_get_no_server_error(live, api, path, mode):
@@ -102,7 +120,9 @@ def test_generated_requests_get_no_server_error(live, api, path, mode):
         if response.status_code >= 400:
             refused_for[str(assert_openai_error(response)["param"])] += 1
         elif mode is GenerationMode.NEGATIVE:
-            schema_breaking_served.append(case.as_curl_command())
+            arm = (case.headers or {}).get(headers.ARM_OVERRIDE)
+            if breaks_the_document(live, path, case.body, arm):
+                schema_breaking_served.append(case.as_curl_command())
 
     check()
     print(f"{path} {mode}: statuses {dict(statuses)}; 4xx by param {dict(refused_for)}")

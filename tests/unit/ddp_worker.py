@@ -18,4 +18,7 @@ if __name__ == "__main__":
     model = train(drafter(), training_set(), out.parent / f"rank{rank}", CONFIG)
     if rank == 0:
         torch.save(model.state_dict(), out)
+    # Every rank done before any tears its connections down: a peer closing its side while
+    # another is still working aborted that one's process now and then (gloo, on a busy machine).
+    dist.barrier()
     dist.destroy_process_group()

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         train(model, records, out, config, validation=validation, desc=f"{args.variant} x{world}")
         if dist.get_rank() == 0:
             print(f"exported {model.cpu().export(out / 'export')}")
+        dist.barrier()  # every rank done before any tears its connections down
     finally:
         dist.destroy_process_group()
     return 0

@@ -91,7 +91,7 @@ MISMATCHED = "mismatched"
 MISMATCHED_ARM = """\
   - name: mismatched
     weight: 1
-    speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 3}}
+    speculative: {{method: eagle3, model: "{drafter}", num_speculative_tokens: 5}}
     engine: {{enforce_eager: true, max_num_seqs: 16}}  # dtype: as the other arms'
     # Core 1, which it shares with ngram: the A/B report test splits traffic between it and
     # no-spec (core 0) with ngram idle, so each arm computes on a core of its own. On no-spec's

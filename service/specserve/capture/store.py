@@ -256,7 +256,9 @@ def read(directory: Path, arm: str | None = None) -> Iterator[Record]:
 
 
 def _dirs(directory: Path) -> list[Path]:
+    """The arms' directories. A name no arm can have (`_...`) is not one: `drafter adapt`
+    keeps its work and its drafters beside the records there on Kubernetes (`_adapt`)."""
     try:
-        return sorted(p for p in directory.iterdir() if p.is_dir())
+        return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("_"))
     except FileNotFoundError:
         return []

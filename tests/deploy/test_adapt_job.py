@@ -1,0 +1,98 @@
+"""`specserve drafter adapt` on Kubernetes (docs/drafters.md): the chart's optional RayJob, or a
+RayCronJob on a schedule, valid against KubeRay v1.7's CRDs; its entrypoint is a command the
+CLI parses; its pods read the capture store and the config, not the API keys, run restricted,
+and carry the release's labels (so the NetworkPolicy lets them reach each other); GPU workers
+ask for GPUs; configurations that cannot work are refused."""
+
+from __future__ import annotations
+
+import shlex
+
+from specserve.cli import build_parser
+from tests.deploy.conftest import by_kind, generate, one, render_objects, validate_all
+from tests.deploy.test_chart_review import chart_values, refused
+
+STORE = {"enabled": True, "accessModes": ["ReadWriteMany"], "storageClassName": "nfs"}
+ADAPT = {"enabled": True, "arm": "eagle3.1", "extraArgs": ["--updates", "2000"]}
+
+
+def job_pods(spec: dict) -> list[dict]:
+    cluster = spec["rayClusterSpec"]
+    return [g["template"]["spec"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
+
+
+def test_off_by_default():
+    objs = render_objects("cpu", captureStore=STORE)
+    assert not by_kind(objs, "RayJob") and not by_kind(objs, "RayCronJob")
+
+
+def test_the_job_runs_adapt_on_the_capture_store_in_a_cluster_of_its_own():
+    objs = render_objects("cpu", captureStore=STORE, adapt=ADAPT)
+    validate_all(objs)
+    job = one(objs, "RayJob")
+    spec = job["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and "clusterSelector" not in spec
+    mount = chart_values("cpu")["captureStore"]["mountPath"]
+    command = shlex.split(spec["entrypoint"])
+    assert command[:3] == ["specserve", "drafter", "adapt"]
+    args = build_parser().parse_args(command[1:])  # the CLI takes it as written
+    assert args.captured.as_posix() == mount and args.arm == "eagle3.1"
+    assert args.work_dir.as_posix() == f"{mount}/_adapt/work"
+    assert args.out.as_posix() == f"{mount}/_adapt/drafters"  # where the engines can load it
+    assert args.address == "auto" and args.updates == 2000 and args.base == "package://eagle3.1"
+    workers = spec["rayClusterSpec"]["workerGroupSpecs"]
+    assert [w["replicas"] for w in workers] == [args.workers] == [2]
+    claim = one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    engine_claim = next(
+        v for v in claim["template"]["spec"]["volumes"] if v["name"] == "capture-store"
+    )
+    selector = one(objs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
+    for pod in [*job_pods(spec), spec["submitterPodTemplate"]["spec"]]:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert "api-keys" not in {v["name"] for v in pod["volumes"]}
+    for group in [spec["rayClusterSpec"]["headGroupSpec"], *workers]:
+        labels = group["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        pod = group["template"]["spec"]
+        assert engine_claim in pod["volumes"]  # the engines' own claim
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["capture-store"] == mount and mounts["router-config"] == "/etc/specserve"
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["SPECSERVE_CONFIG"] == "/etc/specserve/config.yaml"
+        assert "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" not in env  # it serves nothing
+
+
+def test_a_schedule_makes_it_a_raycronjob_with_the_same_job():
+    once = one(render_objects("cpu", captureStore=STORE, adapt=ADAPT), "RayJob")
+    objs = render_objects("cpu", captureStore=STORE, adapt={**ADAPT, "schedule": "0 3 * * 0"})
+    validate_all(objs)
+    cron = one(objs, "RayCronJob")
+    assert not by_kind(objs, "RayJob")
+    assert cron["spec"]["schedule"] == "0 3 * * 0"
+    assert cron["spec"]["jobTemplate"] == once["spec"]
+
+
+def test_gpu_workers_ask_for_their_gpus():
+    objs = render_objects(
+        "gb200", captureStore=STORE, adapt={**ADAPT, "gpusPerWorker": 1, "workers": 4}
+    )
+    validate_all(objs)
+    spec = one(objs, "RayJob")["spec"]
+    args = build_parser().parse_args(shlex.split(spec["entrypoint"])[1:])
+    assert args.gpus_per_worker == 1 and args.workers == 4
+    head, *workers = job_pods(spec)
+    assert "nvidia.com/gpu" not in head["containers"][0]["resources"].get("limits", {})
+    assert len(workers) == 1
+    assert workers[0]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_adapt_without_a_shared_capture_store_is_refused_naming_the_key():
+    no_store = generate._merge(generate.profile_values("cpu"), {"adapt": {"enabled": True}})
+    assert "captureStore" in refused(no_store)
+    one_node = generate._merge(
+        generate.profile_values("cpu"),
+        {"adapt": {"enabled": True}, "captureStore": {"enabled": True, "existingClaim": "x"}},
+    )
+    assert "captureStore.accessModes" in refused(one_node)

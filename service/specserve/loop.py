@@ -1,0 +1,248 @@
+"""`specserve loop`: a better drafter proved on live traffic and promoted, or rolled back.
+
+    specserve loop --incumbent eagle3.1 --prometheus http://127.0.0.1:9090 --local
+
+1. A candidate: `--candidate DIR`, else `drafter adapt` on the capture store (drafter/adapt.py);
+   one that is not better offline ends the loop before anything is deployed.
+2. A challenger arm: the incumbent's arm with the candidate as its drafter, named after the
+   candidate (`eagle3.1-<digest>`), at `--share` of the weighted traffic: a config revision.
+3. The verdict of `ab report` (ab/report.py: per-user output tokens/s with an always-valid
+   interval) for the challenger against the incumbent, from the moment the challenger first
+   served, read every `--poll-s`.
+4. promote: the incumbent arm takes the candidate and the challenger goes (one revision);
+   roll back, a guardrail drain of the challenger, a sample-ratio mismatch or no verdict within
+   `--max-wait-s`: the challenger goes (one revision).
+
+Every step is a config revision through the normal path — `config apply` on Kubernetes, the file
+a local `specserve serve` runs from with `--local` — so `config history` lists it and `config
+rollback` undoes it, and Grafana marks it (the dashboards' config-revision annotation). The
+revisions the loop writes are the live config with the change made, written back as plain YAML
+(comments and anchors of the original are not kept; the original stays in the history).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specserve.ab.prometheus import Prometheus, PrometheusError
+from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
+from specserve.config import RouterConfig, parse_config
+from specserve.metrics import ARM, ARM_DRAINED, EXPORT_PREFIX, REQUEST_STAT_COUNT
+
+PROMOTED, ROLLED_BACK, DRAINED, MISMATCH, TIMED_OUT, NO_CANDIDATE = (
+    "promoted",
+    "rolled back",
+    "drained by the guardrail",
+    "sample-ratio mismatch",
+    "no verdict in time",
+    "no candidate better offline",
+)
+
+
+class LoopError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoopConfig:
+    incumbent: str
+    share: float = 0.1  # of the weighted traffic, for the challenger
+    poll_s: float = 30.0
+    max_wait_s: float = 3600.0
+    start_timeout_s: float = 900.0  # for the challenger's first answer
+    min_requests: int = 30
+    alpha: float = 0.05
+    model: str | None = None
+
+
+@dataclass
+class Step:
+    what: str
+    revision: str
+    at: float = field(default_factory=time.time)
+
+
+# -- the revisions -------------------------------------------------------------------------
+
+
+def _arms(document: dict[str, Any]) -> list[dict[str, Any]]:
+    arms = document.get("arms")
+    if not isinstance(arms, list):
+        raise LoopError("the live config has no list of arms")
+    return arms
+
+
+def _arm(document: dict[str, Any], name: str) -> dict[str, Any]:
+    for arm in _arms(document):
+        if arm.get("name") == name:
+            return arm
+    known = ", ".join(str(a.get("name")) for a in _arms(document))
+    raise LoopError(f"no arm {name!r} in the live config (arms: {known})")
+
+
+def _revision(document: dict[str, Any]) -> tuple[str, RouterConfig]:
+    text = yaml.safe_dump(document, sort_keys=False)
+    return text, parse_config(text, source="the loop's revision")
+
+
+def with_challenger(
+    live: str, incumbent: str, candidate: Path, share: float
+) -> tuple[str, RouterConfig, str]:
+    """The live config plus a challenger arm: the incumbent's, with `candidate` as its drafter
+    and a weight that gives it `share` of the weighted traffic. -> text, config, arm name."""
+    document = yaml.safe_load(live)
+    base = _arm(document, incumbent)
+    if (base.get("speculative") or {}).get("method") != "eagle3":
+        raise LoopError(f"arm {incumbent!r} does not run an EAGLE drafter to replace")
+    if not 0 < share < 1:
+        raise LoopError(f"the challenger's share must lie between 0 and 1, not {share}")
+    name = candidate.name
+    if any(a.get("name") == name for a in _arms(document)):
+        raise LoopError(f"an arm {name!r} already runs: finish or remove that experiment first")
+    total = sum(float(a.get("weight", 0)) for a in _arms(document))
+    challenger = copy.deepcopy(base)
+    challenger.update(name=name, weight=round(total * share / (1 - share), 3))
+    challenger["speculative"]["model"] = str(candidate)
+    challenger.pop("capture", None)  # the incumbent's capture keeps the traffic's sample
+    _arms(document).append(challenger)
+    text, config = _revision(document)
+    return text, config, name
+
+
+def promoted(live: str, incumbent: str, challenger: str) -> tuple[str, RouterConfig]:
+    """The incumbent takes the challenger's drafter; the challenger goes."""
+    document = yaml.safe_load(live)
+    model = _arm(document, challenger)["speculative"]["model"]
+    _arm(document, incumbent)["speculative"]["model"] = model
+    document["arms"] = [a for a in _arms(document) if a.get("name") != challenger]
+    return _revision(document)
+
+
+def without(live: str, challenger: str) -> tuple[str, RouterConfig]:
+    document = yaml.safe_load(live)
+    _arm(document, challenger)
+    document["arms"] = [a for a in _arms(document) if a.get("name") != challenger]
+    return _revision(document)
+
+
+# -- the experiment --------------------------------------------------------------------------
+
+
+class Experiment:
+    """What the loop reads from Prometheus about the challenger."""
+
+    def __init__(self, prometheus: Prometheus, config: LoopConfig) -> None:
+        self.prometheus, self.config = prometheus, config
+
+    def served(self, arm: str) -> float:
+        query = f'sum({EXPORT_PREFIX}{REQUEST_STAT_COUNT}_total{{{ARM}="{arm}"}})'
+        found = self.prometheus.vector(query, time.time())
+        return found[0][1] if found else 0.0
+
+    def drained(self, arm: str) -> bool:
+        query = f'max({EXPORT_PREFIX}{ARM_DRAINED}{{{ARM}="{arm}"}})'
+        found = self.prometheus.vector(query, time.time())
+        return bool(found and found[0][1] > 0)
+
+    def verdict(self, challenger: str, since: float) -> dict[str, Any]:
+        options = Options(
+            baseline=self.config.incumbent,
+            alpha=self.config.alpha,
+            min_requests=self.config.min_requests,
+        )
+        report = build_report(self.prometheus, options, since, self.config.model)
+        for row in report["arms"]:
+            if row["arm"] == challenger:
+                return row
+        raise PrometheusError(f"no figures for the challenger {challenger!r} yet")
+
+
+class Loop:
+    """Steps 2-4 of the module docstring. `apply` makes a config revision live and returns its
+    revision; `live_text` reads the live config."""
+
+    def __init__(
+        self,
+        config: LoopConfig,
+        live_text: Callable[[], str],
+        apply: Callable[[str, RouterConfig], str],
+        experiment: Experiment,
+        *,
+        log: Callable[[str], None] = print,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config, self.live_text, self.apply = config, live_text, apply
+        self.experiment, self.log, self.sleep, self.clock = experiment, log, sleep, clock
+        self.steps: list[Step] = []
+        self.rows: list[dict[str, Any]] = []
+
+    def run(self, candidate: Path) -> dict[str, Any]:
+        """-> {outcome, reason, challenger, steps, rows}."""
+        c = self.config
+        text, routed, challenger = with_challenger(
+            self.live_text(), c.incumbent, candidate, c.share
+        )
+        self._step(f"challenger {challenger} added", text, routed)
+        deadline = self.clock() + c.start_timeout_s
+        while self.experiment.served(challenger) < 1:
+            if self.clock() > deadline:
+                return self._end(challenger, TIMED_OUT, "it never answered a request")
+            self.sleep(min(c.poll_s, 5.0))
+        since = self.clock()
+        self.log(f"challenger {challenger} serves; the experiment runs from now")
+        deadline = since + c.max_wait_s
+        while True:
+            self.sleep(c.poll_s)
+            if self.experiment.drained(challenger):
+                return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
+            try:
+                row = self.experiment.verdict(challenger, since)
+            except PrometheusError as exc:
+                self.log(f"no report yet: {exc}")
+            else:
+                self.rows.append({"at": self.clock(), **row})
+                self.log(f"{row['verdict']}: {row['reason']}")
+                if row["traffic"]["mismatch"]:
+                    return self._end(challenger, MISMATCH, row["reason"])
+                if row["verdict"] == PROMOTE:
+                    return self._end(challenger, PROMOTED, row["reason"])
+                if row["verdict"] == ROLL_BACK:
+                    return self._end(challenger, ROLLED_BACK, row["reason"])
+            if self.clock() > deadline:
+                return self._end(challenger, TIMED_OUT, f"no verdict in {c.max_wait_s:.0f} s")
+
+    def _step(self, what: str, text: str, routed: RouterConfig) -> None:
+        self.steps.append(Step(what, self.apply(text, routed)))
+        self.log(f"revision {self.steps[-1].revision}: {what}")
+
+    def _end(self, challenger: str, outcome: str, reason: str) -> dict[str, Any]:
+        incumbent = self.config.incumbent
+        if outcome == PROMOTED:
+            text, routed = promoted(self.live_text(), incumbent, challenger)
+            self._step(
+                f"{incumbent} takes {challenger}'s drafter; {challenger} removed", text, routed
+            )
+        else:
+            text, routed = without(self.live_text(), challenger)
+            self._step(f"challenger {challenger} removed: {outcome}", text, routed)
+        return {
+            "outcome": outcome,
+            "reason": reason,
+            "challenger": challenger,
+            "steps": [step.__dict__ for step in self.steps],
+            "rows": self.rows,
+        }
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))

@@ -1,0 +1,86 @@
+"""`specserve config apply | history | rollback --local` (local_config.py): the file a local
+`specserve serve` runs from gets revisions and a history beside it, as a release's ConfigMap
+does on Kubernetes; a bad file changes nothing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from specserve.cli import main as cli
+from specserve.cluster_config import ClusterError
+from specserve.config import parse_config, revision_of
+from specserve.local_config import LocalConfig
+from tests.conftest import render_config
+
+T0 = datetime(2026, 11, 26, 9, 0, tzinfo=UTC)
+
+
+def texts() -> tuple[str, str, str]:
+    return (
+        render_config(),
+        render_config(no_spec_weight=1, ngram_weight=3),
+        render_config(no_spec_weight=2, ngram_weight=2),
+    )
+
+
+def test_apply_replaces_the_file_and_records_both_revisions_then_rollback_goes_back(tmp_path):
+    first, second, third = texts()
+    live = tmp_path / "config.yaml"
+    live.write_text(first)
+    local = LocalConfig(live)
+    outcome = local.apply(second, parse_config(second), now=T0)
+    assert outcome.changed and live.read_text() == second
+    assert outcome.old_revision == revision_of(first.encode())
+    assert {r.revision for r in local.records()} == {outcome.old_revision, outcome.new_revision}
+    local.apply(third, parse_config(third), now=T0 + timedelta(minutes=1))
+    back = local.rollback(now=T0 + timedelta(minutes=2))
+    assert live.read_text() == second and back.new_revision == revision_of(second.encode())
+    # After a rollback, "the one before" is the revision rolled back from.
+    local.rollback(now=T0 + timedelta(minutes=3))
+    assert live.read_text() == third
+    to_first = local.rollback(to=revision_of(first.encode())[:6], now=T0 + timedelta(minutes=4))
+    assert live.read_text() == first and to_first.old_revision == revision_of(third.encode())
+    table = local.history()
+    assert table[0].split()[:2] == ["REVISION", "APPLIED"]
+    assert table[1].startswith(revision_of(first.encode())) and "live" in table[1]
+    assert len(table) == 4
+
+
+def test_applying_the_live_revision_changes_nothing_and_history_is_pruned(tmp_path):
+    first, second, third = texts()
+    live = tmp_path / "config.yaml"
+    live.write_text(first)
+    local = LocalConfig(live)
+    assert not local.apply(first, parse_config(first), now=T0).changed
+    assert local.records() == []
+    local.apply(second, parse_config(second), now=T0)
+    pruned = local.apply(third, parse_config(third), keep=2, now=T0 + timedelta(minutes=1)).pruned
+    assert pruned == (revision_of(first.encode()),)
+    assert {r.revision for r in local.records()} == {
+        revision_of(second.encode()),
+        revision_of(third.encode()),
+    }
+    with pytest.raises(ClusterError, match="no revision 'ffff'"):
+        local.rollback(to="ffff")
+
+
+def test_the_cli_validates_before_it_touches_the_live_file(tmp_path, capsys):
+    first, second, _ = texts()
+    live = tmp_path / "config.yaml"
+    live.write_text(first)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(second.replace("weight: 1", "weight: -1", 1))
+    assert cli(["config", "apply", str(bad), "--local", str(live)]) == 2
+    assert live.read_text() == first and not (tmp_path / "config.yaml.history").exists()
+    good = tmp_path / "good.yaml"
+    good.write_text(second)
+    assert cli(["config", "apply", str(good), "--local", str(live)]) == 0
+    out = capsys.readouterr().out
+    assert f"revision {revision_of(first.encode())} -> {revision_of(second.encode())}" in out
+    assert live.read_text() == second
+    assert cli(["config", "rollback", "--local", str(live)]) == 0
+    assert live.read_text() == first
+    assert cli(["config", "history", "--local", str(live)]) == 0
+    assert "live" in capsys.readouterr().out

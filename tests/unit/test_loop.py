@@ -1,0 +1,132 @@
+"""`specserve loop` (loop.py): the revisions it writes, and what it does on each verdict. The
+revisions go through the local config history (local_config.py), a real file; the experiment's
+readings are scripted here (Prometheus and the report's arithmetic are tested live and in
+tests/unit/test_ab*.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specserve import loop
+from specserve.ab.report import KEEP_TESTING, PROMOTE, ROLL_BACK
+from specserve.config import parse_config, revision_of
+from specserve.local_config import LocalConfig
+
+DEFAULT = Path(loop.__file__).parent / "configs" / "default.yaml"
+CANDIDATE = Path("/drafters/eagle3.1-0123456789ab")
+
+
+def arms(text: str) -> dict[str, dict]:
+    return {a["name"]: a for a in yaml.safe_load(text)["arms"]}
+
+
+def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share():
+    live = DEFAULT.read_text()
+    text, config, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.1)
+    assert name == "eagle3.1-0123456789ab"
+    found = arms(text)
+    incumbent, challenger = found["eagle3.1"], found[name]
+    assert challenger["speculative"] == {**incumbent["speculative"], "model": str(CANDIDATE)}
+    assert challenger["engine"] == incumbent["engine"] and challenger["env"] == incumbent["env"]
+    weights = {a.name: a.weight for a in config.arms}
+    assert weights[name] / sum(weights.values()) == pytest.approx(0.1, abs=1e-3)
+    assert {k: v for k, v in weights.items() if k != name} == {
+        n: a["weight"] for n, a in arms(live).items()
+    }
+    with pytest.raises(loop.LoopError, match="does not run an EAGLE drafter"):
+        loop.with_challenger(live, "ngram", CANDIDATE, 0.1)
+    with pytest.raises(loop.LoopError, match="already runs"):
+        loop.with_challenger(text, "eagle3.1", CANDIDATE, 0.1)
+    with pytest.raises(loop.LoopError, match="no arm 'eagle9'"):
+        loop.with_challenger(live, "eagle9", CANDIDATE, 0.1)
+
+
+def test_promotion_gives_the_incumbent_the_drafter_and_removal_restores_the_arms():
+    live = DEFAULT.read_text()
+    text, _, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.1)
+    promoted, _ = loop.promoted(text, "eagle3.1", name)
+    after = arms(promoted)
+    assert name not in after and after["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
+    assert after["eagle3.1"]["weight"] == arms(live)["eagle3.1"]["weight"]
+    removed, _ = loop.without(text, name)
+    assert arms(removed) == arms(live)
+
+
+class Scripted:
+    """The experiment's readings, one per poll."""
+
+    def __init__(self, served: list[float], rows: list[dict], drained_at: int | None = None):
+        self.served_readings, self.rows, self.drained_at, self.polls = served, rows, drained_at, 0
+
+    def served(self, arm: str) -> float:
+        return self.served_readings.pop(0) if len(self.served_readings) > 1 else 1.0
+
+    def drained(self, arm: str) -> bool:
+        self.polls += 1
+        return self.drained_at is not None and self.polls >= self.drained_at
+
+    def verdict(self, challenger: str, since: float) -> dict:
+        return self.rows.pop(0) if len(self.rows) > 1 else self.rows[0]
+
+
+def row(verdict: str, mismatch: bool = False) -> dict:
+    return {"verdict": verdict, "reason": verdict, "traffic": {"mismatch": mismatch}}
+
+
+def run(tmp_path, experiment, **config) -> tuple[dict, LocalConfig, str]:
+    live = tmp_path / "config.yaml"
+    live.write_text(DEFAULT.read_text())
+    local = LocalConfig(live)
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    def apply(text, routed) -> str:
+        return local.apply(text, routed).new_revision
+
+    settings = loop.LoopConfig(incumbent="eagle3.1", poll_s=30, max_wait_s=600, **config)
+    report = loop.Loop(
+        settings, local.live_text, apply, experiment, log=lambda _: None, sleep=sleep,
+        clock=lambda: now[0],
+    ).run(CANDIDATE)  # fmt: skip
+    return report, local, DEFAULT.read_text()
+
+
+def test_a_faster_challenger_is_promoted_in_two_revisions_that_rollback_undoes(tmp_path):
+    experiment = Scripted([0, 0, 1], [row(KEEP_TESTING), row(KEEP_TESTING), row(PROMOTE)])
+    report, local, original = run(tmp_path, experiment)
+    assert report["outcome"] == loop.PROMOTED and len(report["rows"]) == 3
+    assert [s["what"].split(":")[0] for s in report["steps"]] == [
+        "challenger eagle3.1-0123456789ab added",
+        "eagle3.1 takes eagle3.1-0123456789ab's drafter; eagle3.1-0123456789ab removed",
+    ]
+    live = arms(local.live_text())
+    assert live["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
+    assert len(local.records()) == 3  # the original, the challenger's, the promotion's
+    local.rollback()
+    local.rollback(to=revision_of(original.encode()))
+    assert local.live_text() == original
+
+
+@pytest.mark.parametrize(
+    ("experiment", "outcome"),
+    [
+        (lambda: Scripted([1], [row(KEEP_TESTING), row(ROLL_BACK)]), loop.ROLLED_BACK),
+        (lambda: Scripted([1], [row(KEEP_TESTING)], drained_at=2), loop.DRAINED),
+        (lambda: Scripted([1], [row(KEEP_TESTING, mismatch=True)]), loop.MISMATCH),
+        (lambda: Scripted([1], [row(KEEP_TESTING)]), loop.TIMED_OUT),
+        (lambda: Scripted([0] * 1000, [row(PROMOTE)]), loop.TIMED_OUT),  # it never serves
+    ],
+)
+def test_anything_but_a_promotion_removes_the_challenger_and_nothing_else(
+    tmp_path, experiment, outcome
+):
+    report, local, original = run(tmp_path, experiment())
+    assert report["outcome"] == outcome
+    assert arms(local.live_text()) == arms(original)
+    assert parse_config(local.live_text().encode()).arms == parse_config(original.encode()).arms
+    assert len(report["steps"]) == 2 and report["steps"][1]["what"].endswith(outcome)

@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     adapt_p.add_argument(
         "--replay-share", type=float, default=0.3, help="share of original training sequences"
     )
+    adapt_p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads of the features, replay and scoring passes (1 beside serving engines)",
+    )
     adapt_p.add_argument("--workers", type=int, default=2, help="Ray Train workers")
     adapt_p.add_argument("--cpus-per-worker", type=float, default=1.0)
     adapt_p.add_argument("--gpus-per-worker", type=int, default=0, help="> 0: train on GPUs")
@@ -161,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     adapt_p.add_argument("--updates", type=int, default=0, help="0: from --epochs")
     adapt_p.add_argument("--lr", type=float, default=5e-4)
     adapt_p.add_argument("--k", type=int, default=3, help="num_speculative_tokens to score at")
-    adapt_p.add_argument("--held-out", type=float, default=0.2, help="share of prompts scored")
+    adapt_p.add_argument("--held-out", type=float, default=0.2, help="share of prompts held out")
+    adapt_p.add_argument("--max-scored", type=int, default=64, help="held-out prompts scored")
     adapt_p.add_argument(
         "--original-per-set", type=int, default=12, help="original held-out prompts per set"
     )
@@ -577,12 +584,14 @@ def _adapt(args: argparse.Namespace, target: str) -> int:
         held_out_share=args.held_out,
         replay_share=args.replay_share,
         replay_from=args.replay_from,
+        threads=args.threads,
         workers=args.workers,
         cpus_per_worker=args.cpus_per_worker,
         gpus_per_worker=args.gpus_per_worker,
         address=args.address,
         k=args.k,
         eval_max_tokens=args.eval_tokens,
+        max_scored=args.max_scored,
         original_per_set=args.original_per_set,
         train=TrainConfig(epochs=args.epochs, updates=args.updates, lr=args.lr),
     )

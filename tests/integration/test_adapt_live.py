@@ -108,7 +108,7 @@ def test_adapt_trains_on_captured_traffic_and_scores_the_candidate(live, restore
     for drafter in ("base", "candidate"):
         for prompt_set in (CAPTURED_SET, *ORIGINAL_SETS):
             assert rows[(drafter, prompt_set)]["drafts"] > 0, (drafter, prompt_set)
-    assert rows[("base", CAPTURED_SET)]["prompts"] == data["held_out"]
+    assert rows[("base", CAPTURED_SET)]["prompts"] == data["scored"] == data["held_out"]
     verdict = judge(report["scores"], k=3)
     assert report["verdict"]["accepted"] == verdict.accepted
     assert report["verdict"]["reason"] == verdict.reason

@@ -9,15 +9,20 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
   metric, and returns when the guardrail is reconfigured. (The drain's end in time is checked
   with a controlled clock in tests/unit/test_guardrail.py.)
 
-Between the two only weights and the guardrail change, which the router applies live: the arm's
-engine starts once."""
+- `specserve loop` with the shipped EAGLE-3 drafter as the candidate against this arm: the
+  challenger is deployed, wins the A/B on live traffic and is promoted into the arm.
+
+Between the first two only weights and the guardrail change, which the router applies live: the
+arm's engine starts once (the loop's promotion restarts it, and the test puts it back)."""
 
 import concurrent.futures as cf
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +36,7 @@ from specserve.metrics import (
     REQUEST_STAT_COUNT,
     scrape,
 )
+from specserve.models import resolve_drafter_source
 from specserve.router.selection import sticky_arm
 from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
 
@@ -241,3 +247,65 @@ def check_drain_and_return(live, with_arm: str) -> None:
     while routers_draining(live, ARM) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert routers_draining(live, ARM) == 0
+
+
+# -- `specserve loop` -----------------------------------------------------------------------
+
+
+def test_the_loop_promotes_a_better_drafter_over_a_broken_one(
+    live, prometheus, mismatched_arm, tmp_path
+):
+    """`specserve loop` with the shipped EAGLE-3 drafter as the candidate against the arm
+    whose drafter is broken: the challenger is deployed by a config revision, serves its share
+    of weighted traffic, `ab report`'s verdict (real Prometheus) promotes it, and the incumbent
+    arm takes its drafter; the file's history holds every revision."""
+    from specserve.local_config import LocalConfig
+
+    original = live.config_path.read_text()
+    candidate = Path(resolve_drafter_source("package://eagle3"))
+    weighted = render_config(no_spec_weight=1, ngram_weight=0) + mismatched_arm
+    stop = threading.Event()
+    watcher = live.platform.watcher()  # what `specserve serve` runs: engine changes deploy
+
+    def watch() -> None:
+        while not stop.is_set():
+            watcher.check()
+            time.sleep(0.5)
+
+    def traffic() -> None:
+        while not stop.is_set():
+            stream_once(live, TOPICS[0])
+
+    report = tmp_path / "loop.json"
+    command = [sys.executable, "-m", "specserve.cli", "loop", "--incumbent", ARM]
+    command += ["--candidate", str(candidate), "--local", str(live.config_path)]
+    command += ["--prometheus", prometheus.url, "--share", "0.5", "--poll-s", "5"]
+    command += ["--min-requests", "20", "--max-wait-s", "400", "--json", str(report)]
+    try:
+        live.write_config(weighted)
+        threads = [threading.Thread(target=f) for f in (watch, traffic, traffic)]
+        for thread in threads:
+            thread.start()
+        run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        print(run.stdout, run.stderr[-3000:])
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        found = json.loads(report.read_text())
+        promoted = load_config(live.config_path).config
+        history = LocalConfig(live.config_path).records()
+    finally:
+        stop.set()
+        live.write_config(original)
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=420)
+
+    assert found["outcome"] == "promoted" and found["challenger"] == "eagle3"
+    last = found["rows"][-1]
+    assert last["verdict"] == "promote" and last["reason"].startswith("faster")
+    assert last["acceptance_length"]["mean"] > 1.2  # a drafter that guesses right
+    arms = {arm.name: arm for arm in promoted.arms}
+    assert "eagle3" not in arms and arms[ARM].speculative.model == str(candidate)
+    revisions = [step["revision"] for step in found["steps"]]
+    assert len(revisions) == 2 and set(revisions) <= {r.revision for r in history}

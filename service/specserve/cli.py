@@ -380,6 +380,12 @@ def _local_config(args: argparse.Namespace) -> int:
     from specserve.local_config import LocalConfig
 
     path = _config_path(None) if args.local == _CONFIGURED else args.local
+    if not path.is_file():
+        print(
+            f"error: {path}: no config file there (--local FILE, or $SPECSERVE_CONFIG)",
+            file=sys.stderr,
+        )
+        return 2
     local = LocalConfig(path)
     try:
         if args.config_command == "history":

@@ -84,3 +84,5 @@ def test_the_cli_validates_before_it_touches_the_live_file(tmp_path, capsys):
     assert live.read_text() == first
     assert cli(["config", "history", "--local", str(live)]) == 0
     assert "live" in capsys.readouterr().out
+    assert cli(["config", "history", "--local", str(tmp_path / "missing.yaml")]) == 2
+    assert "no config file there" in capsys.readouterr().err

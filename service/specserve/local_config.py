@@ -12,7 +12,7 @@ return to where it started.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -85,8 +85,7 @@ class LocalConfig:
         if not outcome.changed:
             return outcome
         now = now or datetime.now(UTC)
-        records = self.records()
-        if old_revision not in {r.revision for r in records}:
+        if old_revision not in {r.revision for r in self.records()}:
             written = datetime.fromtimestamp(self.path.stat().st_mtime, UTC)
             self._record(old_text, min(written, now))
         self._replace_live(text)
@@ -94,14 +93,7 @@ class LocalConfig:
         pruned = records_to_prune(self.records(), keep, new_revision)
         for record in pruned:
             (self.history_dir / record.name).unlink(missing_ok=True)
-        return LocalOutcome(
-            self.path,
-            old_revision,
-            new_revision,
-            old_config,
-            config,
-            tuple(r.revision for r in pruned),
-        )
+        return replace(outcome, pruned=tuple(r.revision for r in pruned))
 
     def rollback(self, to: str | None = None, *, now: datetime | None = None) -> LocalOutcome:
         """Restore a recorded revision: `to` (a unique prefix), else the one applied before."""

@@ -35,7 +35,6 @@ import yaml
 from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config import RouterConfig, parse_config
-from specserve.metrics import ARM, ARM_DRAINED, EXPORT_PREFIX, REQUEST_STAT_COUNT
 
 PROMOTED, ROLLED_BACK, DRAINED, MISMATCH, TIMED_OUT, NO_CANDIDATE = (
     "promoted",
@@ -143,14 +142,10 @@ class Experiment:
         self.prometheus, self.config = prometheus, config
 
     def served(self, arm: str) -> float:
-        query = f'sum({EXPORT_PREFIX}{REQUEST_STAT_COUNT}_total{{{ARM}="{arm}"}})'
-        found = self.prometheus.vector(query, time.time())
-        return found[0][1] if found else 0.0
+        return self.prometheus.counted_requests(arm, time.time())
 
     def drained(self, arm: str) -> bool:
-        query = f'max({EXPORT_PREFIX}{ARM_DRAINED}{{{ARM}="{arm}"}})'
-        found = self.prometheus.vector(query, time.time())
-        return bool(found and found[0][1] > 0)
+        return self.prometheus.drained(arm, time.time())
 
     def verdict(self, challenger: str, since: float) -> dict[str, Any]:
         options = Options(

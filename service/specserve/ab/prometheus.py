@@ -15,6 +15,7 @@ from specserve.ab.sequential import Moments
 from specserve.metrics import (
     AB_STATS,
     ARM,
+    ARM_DRAINED,
     ARM_SELECTIONS,
     ARM_WEIGHT,
     CONFIG_INFO,
@@ -169,6 +170,18 @@ class Prometheus:
             positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
             positions[int(labels[POSITION])] = value
         return dict(arms)
+
+    def counted_requests(self, arm: str, at: float) -> float:
+        """Weighted and sticky requests `arm` has answered so far (what the report counts)."""
+        counter = _name(REQUEST_STAT_COUNT) + "_total"
+        query = f'sum({counter}{{{ARM}="{arm}",{STAT}="{REQUEST_OUTPUT_SPEED}"}})'
+        found = self.vector(query, at)
+        return found[0][1] if found else 0.0
+
+    def drained(self, arm: str, at: float) -> bool:
+        """Whether any router's acceptance guardrail holds `arm` drained."""
+        found = self.vector(f'max({_name(ARM_DRAINED)}{{{ARM}="{arm}"}})', at)
+        return bool(found and found[0][1] > 0)
 
     def speed_by_load(
         self, model: str, since: float, now: float, step_s: float

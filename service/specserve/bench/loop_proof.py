@@ -109,6 +109,8 @@ def run_loop(args: argparse.Namespace, traffic: Traffic, log: Path) -> tuple[int
     command += ["--share", str(args.share), "--poll-s", str(args.poll_s)]
     command += ["--min-requests", str(args.min_requests), "--max-wait-s", str(args.max_wait_s)]
     command += ["--json", str(args.out / "loop.json")]
+    if args.replay_from:
+        command += ["--replay-from", str(args.replay_from)]
     marks = []
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=30)
     parser.add_argument("--min-requests", type=int, default=30)
     parser.add_argument("--max-wait-s", type=float, default=2400)
+    parser.add_argument("--replay-from", type=Path, help="adapt: answers to replay (a build dir)")
     parser.add_argument("--held-out", type=int, default=64, help="domain prompts scored")
     parser.add_argument("--original-per-set", type=int, default=24)
     parser.add_argument("--out", type=Path, required=True)

@@ -25,45 +25,39 @@ _CONFIGURED = Path("<configured>")  # `--local` without a file: the configured o
 
 
 def _adapt_arguments() -> argparse.ArgumentParser:
-    """`drafter adapt`'s options, which `loop` shares (its adapt step)."""
+    """`drafter adapt`'s options, which `loop` shares (its adapt step). An option left out keeps
+    `AdaptConfig`'s default (`adapt_config`), so the defaults are written once, there; the
+    help names them for the reader."""
     adapt_args = argparse.ArgumentParser(add_help=False)
-    adapt_args.add_argument(
-        "--base", help="the drafter to continue (default: eagle3.1; the loop: the incumbent's)"
-    )
-    adapt_args.add_argument("--captured", type=Path, help="capture store (default: the configured)")
-    adapt_args.add_argument("--arm", help="only this arm's captured records (default: all)")
-    adapt_args.add_argument("--work-dir", type=Path, help="default: <cache dir>/adapt")
-    adapt_args.add_argument(
+    option = adapt_args.add_argument
+    option("--base", help="the drafter to continue (default: eagle3.1; the loop: the incumbent's)")
+    option("--captured", type=Path, help="capture store (default: the configured)")
+    option("--arm", help="only this arm's captured records (default: all)")
+    option("--work-dir", type=Path, help="default: <cache dir>/adapt")
+    option(
         "--out", type=Path, help="where an accepted candidate goes (default: <cache dir>/adapted)"
     )
-    adapt_args.add_argument("--replay-from", type=Path, help="a `drafter build` work dir")
-    adapt_args.add_argument(
-        "--replay-share", type=float, default=0.3, help="share of original training sequences"
-    )
-    adapt_args.add_argument(
+    option("--replay-from", type=Path, help="a `drafter build` work dir")
+    option("--replay-share", type=float, help="share of original training sequences (0.3)")
+    option(
         "--threads",
         type=int,
-        default=1,
-        help="CPU threads of the features, replay and scoring passes (1 beside serving engines)",
+        help="CPU threads of the features, replay and scoring passes (1: beside serving engines)",
     )
-    adapt_args.add_argument("--workers", type=int, default=2, help="Ray Train workers")
-    adapt_args.add_argument("--cpus-per-worker", type=float, default=1.0)
-    adapt_args.add_argument("--gpus-per-worker", type=int, default=0, help="> 0: train on GPUs")
-    adapt_args.add_argument("--address", help="Ray cluster to join (default: the local one)")
-    adapt_args.add_argument("--epochs", type=float, default=1.0)
-    adapt_args.add_argument("--updates", type=int, default=0, help="0: from --epochs")
-    adapt_args.add_argument("--lr", type=float, default=3e-4)
-    adapt_args.add_argument(
-        "--validate-every", type=int, default=25, help="updates between validation passes"
-    )
-    adapt_args.add_argument("--k", type=int, default=3, help="num_speculative_tokens to score at")
-    adapt_args.add_argument("--held-out", type=float, default=0.2, help="share of prompts held out")
-    adapt_args.add_argument("--max-scored", type=int, default=64, help="held-out prompts scored")
-    adapt_args.add_argument(
-        "--original-per-set", type=int, default=12, help="original held-out prompts per set"
-    )
-    adapt_args.add_argument("--eval-tokens", type=int, default=128, help="tokens per scored answer")
-    adapt_args.add_argument(
+    option("--workers", type=int, help="Ray Train workers (2)")
+    option("--cpus-per-worker", type=float, help="(1)")
+    option("--gpus-per-worker", type=int, help="> 0: train on GPUs (0)")
+    option("--address", help="Ray cluster to join (default: the local one)")
+    option("--epochs", type=float, help="passes over the captured training slice (1)")
+    option("--updates", type=int, help="optimizer updates; 0: from --epochs (0)")
+    option("--lr", type=float, help="peak learning rate (3e-4)")
+    option("--validate-every", type=int, help="updates between validation passes (25)")
+    option("--k", type=int, help="num_speculative_tokens to score at (3)")
+    option("--held-out", type=float, help="share of prompts held out (0.2)")
+    option("--max-scored", type=int, help="held-out prompts scored (64)")
+    option("--original-per-set", type=int, help="original held-out prompts per set (12)")
+    option("--eval-tokens", type=int, help="tokens per scored answer (128)")
+    option(
         "--max-forgetting",
         type=float,
         help="largest loss of acceptance length on an original set, as a share (0.05)",
@@ -578,37 +572,44 @@ def _drafter(args: argparse.Namespace) -> int:
 
 
 def adapt_config(args: argparse.Namespace, base: str, target: str):
-    """An `AdaptConfig` from `_adapt_arguments`' options."""
-    from specserve.drafter.adapt import MAX_FORGETTING, AdaptConfig
-    from specserve.drafter.train import TrainConfig
+    """An `AdaptConfig` from `_adapt_arguments`' options; those left out keep its defaults."""
+    from dataclasses import replace
+
+    from specserve.drafter.adapt import AdaptConfig
     from specserve.settings import get_settings
 
+    def given(**options):
+        return {name: value for name, value in options.items() if value is not None}
+
     settings = get_settings()
-    return AdaptConfig(
+    config = AdaptConfig(
         base=base,
         captured=args.captured or settings.capture_path(),
         work_dir=args.work_dir or settings.cache_dir / "adapt",
         out_dir=args.out or settings.cache_dir / "adapted",
         target_dir=target,
         arm=args.arm,
-        held_out_share=args.held_out,
-        replay_share=args.replay_share,
         replay_from=args.replay_from,
-        threads=args.threads,
-        workers=args.workers,
-        cpus_per_worker=args.cpus_per_worker,
-        gpus_per_worker=args.gpus_per_worker,
         address=args.address,
-        k=args.k,
-        eval_max_tokens=args.eval_tokens,
-        max_scored=args.max_scored,
-        original_per_set=args.original_per_set,
-        max_forgetting=MAX_FORGETTING if args.max_forgetting is None else args.max_forgetting,
-        train=TrainConfig(
-            epochs=args.epochs,
-            updates=args.updates,
-            lr=args.lr,
-            validate_every=args.validate_every,
+    )
+    train = given(
+        epochs=args.epochs, updates=args.updates, lr=args.lr, validate_every=args.validate_every
+    )
+    return replace(
+        config,
+        train=replace(config.train, **train),
+        **given(
+            held_out_share=args.held_out,
+            replay_share=args.replay_share,
+            threads=args.threads,
+            workers=args.workers,
+            cpus_per_worker=args.cpus_per_worker,
+            gpus_per_worker=args.gpus_per_worker,
+            k=args.k,
+            eval_max_tokens=args.eval_tokens,
+            max_scored=args.max_scored,
+            original_per_set=args.original_per_set,
+            max_forgetting=args.max_forgetting,
         ),
     )
 

@@ -172,3 +172,32 @@ def test_the_metrics_port_taken_on_any_address_is_refused(platform_config, held_
     with pytest.raises(DeployError, match=f"metrics .* port {held_port} on 0.0.0.0"):
         Platform(settings).preflight()
     Platform(settings.model_copy(update={"metrics_port": free_port()})).preflight()
+
+
+def test_adapt_options_left_out_keep_the_library_defaults_and_given_ones_win(tmp_path):
+    from dataclasses import replace
+
+    from specserve.cli import adapt_config, build_parser
+    from specserve.drafter.adapt import AdaptConfig
+
+    def config(*options):
+        args = build_parser().parse_args(
+            ["drafter", "adapt", "--captured", str(tmp_path), *options]
+        )
+        return adapt_config(args, "package://eagle3.1", "target")
+
+    library = AdaptConfig(
+        base="package://eagle3.1",
+        captured=tmp_path,
+        work_dir=get_settings().cache_dir / "adapt",
+        out_dir=get_settings().cache_dir / "adapted",
+        target_dir="target",
+    )
+    assert config() == library
+    given = config("--lr", "5e-4", "--updates", "8", "--workers", "1", "--max-forgetting", "0.1")
+    assert given == replace(
+        library,
+        workers=1,
+        max_forgetting=0.1,
+        train=replace(library.train, lr=5e-4, updates=8),
+    )

@@ -68,7 +68,9 @@ class AdaptConfig:
     eval_max_tokens: int = 128
     original_per_set: int = 12
     max_forgetting: float = MAX_FORGETTING
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=1.0, lr=3e-4))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(epochs=1.0, lr=3e-4, validate_every=25)
+    )
 
 
 @dataclass

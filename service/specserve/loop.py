@@ -188,7 +188,7 @@ class Loop:
         )
         self._step(f"challenger {challenger} added", text, routed)
         deadline = self.clock() + c.start_timeout_s
-        while self.experiment.served(challenger) < 1:
+        while self._served(challenger) < 1:
             if self.clock() > deadline:
                 return self._end(challenger, TIMED_OUT, "it never answered a request")
             self.sleep(min(c.poll_s, 5.0))
@@ -197,13 +197,16 @@ class Loop:
         deadline = since + c.max_wait_s
         while True:
             self.sleep(c.poll_s)
-            if self.experiment.drained(challenger):
-                return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
+            # Prometheus out of reach (a query timed out on a loaded machine) is asked again at
+            # the next poll; the deadline still holds.
             try:
-                row = self.experiment.verdict(challenger, since)
+                drained = self.experiment.drained(challenger)
+                row = None if drained else self.experiment.verdict(challenger, since)
             except PrometheusError as exc:
                 self.log(f"no report yet: {exc}")
             else:
+                if drained:
+                    return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
                 self.rows.append({"at": self.clock(), **row})
                 self.log(f"{row['verdict']}: {row['reason']}")
                 if row["traffic"]["mismatch"]:
@@ -214,6 +217,13 @@ class Loop:
                     return self._end(challenger, ROLLED_BACK, row["reason"])
             if self.clock() > deadline:
                 return self._end(challenger, TIMED_OUT, f"no verdict in {c.max_wait_s:.0f} s")
+
+    def _served(self, challenger: str) -> float:
+        try:
+            return self.experiment.served(challenger)
+        except PrometheusError as exc:
+            self.log(f"not serving yet: {exc}")
+            return 0.0
 
     def _step(self, what: str, text: str, routed: RouterConfig) -> None:
         self.steps.append(Step(what, self.apply(text, routed)))

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from specserve import loop
+from specserve.ab.prometheus import PrometheusError
 from specserve.ab.report import KEEP_TESTING, PROMOTE, ROLL_BACK
 from specserve.config import parse_config, revision_of
 from specserve.local_config import LocalConfig
@@ -130,3 +131,31 @@ def test_anything_but_a_promotion_removes_the_challenger_and_nothing_else(
     assert arms(local.live_text()) == arms(original)
     assert parse_config(local.live_text().encode()).arms == parse_config(original.encode()).arms
     assert len(report["steps"]) == 2 and report["steps"][1]["what"].endswith(outcome)
+
+
+class Unreachable(Scripted):
+    """Prometheus times out on the first reading of each kind, then answers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failed: set[str] = set()
+
+    def _once(self, kind: str) -> None:
+        if kind not in self.failed:
+            self.failed.add(kind)
+            raise PrometheusError("cannot reach Prometheus at http://prometheus:9090: timed out")
+
+    def served(self, arm: str) -> float:
+        self._once("served")
+        return super().served(arm)
+
+    def drained(self, arm: str) -> bool:
+        self._once("drained")
+        return super().drained(arm)
+
+
+def test_prometheus_out_of_reach_is_asked_again_at_the_next_poll(tmp_path):
+    experiment = Unreachable([1], [row(KEEP_TESTING), row(PROMOTE)])
+    report, local, _ = run(tmp_path, experiment)
+    assert experiment.failed == {"served", "drained"}
+    assert report["outcome"] == loop.PROMOTED and len(report["rows"]) == 2

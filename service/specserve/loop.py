@@ -200,13 +200,12 @@ class Loop:
             # Prometheus out of reach (a query timed out on a loaded machine) is asked again at
             # the next poll; the deadline still holds.
             try:
-                drained = self.experiment.drained(challenger)
-                row = None if drained else self.experiment.verdict(challenger, since)
+                if self.experiment.drained(challenger):
+                    return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
+                row = self.experiment.verdict(challenger, since)
             except PrometheusError as exc:
                 self.log(f"no report yet: {exc}")
             else:
-                if drained:
-                    return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
                 self.rows.append({"at": self.clock(), **row})
                 self.log(f"{row['verdict']}: {row['reason']}")
                 if row["traffic"]["mismatch"]:

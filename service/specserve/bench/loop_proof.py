@@ -84,7 +84,7 @@ class Traffic:
             try:
                 self.client.chat.completions.create(
                     model=self.model,
-                    messages=messages,
+                    messages=messages,  # type: ignore[arg-type]  # plain {role, content} dicts
                     max_tokens=self.max_tokens,
                     temperature=0.0,
                     user=uuid.uuid4().hex,

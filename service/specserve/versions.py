@@ -58,6 +58,12 @@ RAY = Supported(
         ("ray.serve._private.constants", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"),
         ("ray.serve._private.http_util", "configure_http_middlewares"),
         ("ray.serve._private.constants", "SERVE_LOGGER_NAME"),
+        # The dispatch's calls to the arms (wire/arm_calls.py): its handles, the request's id.
+        ("ray.serve.handle", "DeploymentHandle._init"),
+        ("ray.serve.context", "_serve_request_context"),
+        ("ray.serve.context", "_RequestContext"),
+        ("ray.serve._private.constants", "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"),
+        ("ray.serve._private.constants", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"),
         # What runs, read from the controller (router/arm_states.py), and the deploy.
         ("ray.serve.context", "_get_global_client"),
         ("ray.serve._private.client", "ServeControllerClient.get_serve_details"),

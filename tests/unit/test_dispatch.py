@@ -117,7 +117,7 @@ class Client:
         monkeypatch.setattr(dispatch_module, "check_engine_settings", lambda *a, **k: None)
         monkeypatch.setattr("specserve.watch.check_engine_settings", lambda *a, **k: None)
         self.arms = FakeArms()
-        self.dispatch = Dispatch(self.arms)
+        self.dispatch = Dispatch(self.arms, arms=self.arms)
 
     async def request(
         self,
@@ -547,7 +547,7 @@ def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
 
 
 def test_a_client_that_leaves_mid_answer_frees_the_arms_capacity_at_once(client):
-    """The proxy's routing notices the disconnect and ends the arm's call; the dispatch gives
+    """The arm call (wire/arm_calls.py) notices the disconnect and ends; the dispatch gives
     the request's place at the arm back as that call returns."""
 
     async def streaming_arm(scope, receive, send):
@@ -562,7 +562,7 @@ def test_a_client_that_leaves_mid_answer_frees_the_arms_capacity_at_once(client)
         while (await receive())["type"] != "http.disconnect":
             pass
 
-    client.dispatch.app = streaming_arm
+    client.dispatch.arms = streaming_arm
     raw = json.dumps({"model": MODEL, "prompt": "hi", "stream": True}).encode()
     request_headers = [(b"authorization", f"Bearer {PUBLIC_KEY}".encode())]
     scope = {"type": "http", "method": "POST", "path": "/v1/completions"}

@@ -53,7 +53,7 @@ def test_stream_summary_pairs_ttft_and_compares_gaps():
 
 LOOP = "run (uvloop/__init__.py:82)"
 STACKS = {
-    "specserve dispatch": [
+    "specserve dispatch and arm calls": [
         LOOP,
         "Dispatch.__call__ (specserve/router/dispatch.py:159)",
         "_Exchange._send (specserve/router/dispatch.py:560)",
@@ -85,12 +85,12 @@ def test_unknown_frames_are_other_and_raw_profiles_add_up(tmp_path: Path):
     raw.write_text(
         ";".join(STACKS["engine step"])
         + " 7\n"
-        + ";".join(STACKS["specserve dispatch"])
+        + ";".join(STACKS["specserve dispatch and arm calls"])
         + " 3\n"
         + ";".join(STACKS["engine step"])
         + " 2\n"
     )
-    assert read_parts(raw) == {"engine step": 9, "specserve dispatch": 3}
+    assert read_parts(raw) == {"engine step": 9, "specserve dispatch and arm calls": 3}
     assert read_parts(tmp_path / "missing.txt") == {}
 
 

@@ -117,7 +117,7 @@ def client(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
 def test_a_stream_cut_mid_way_is_resumed_from_where_it_stood(client, endpoint):
-    arm = client.dispatch.app = StreamingArm(endpoint, dies_after=3)
+    arm = client.dispatch.arms = StreamingArm(endpoint, dies_after=3)
     client.arms = arm
 
     async def main():
@@ -137,7 +137,7 @@ def test_a_stream_cut_mid_way_is_resumed_from_where_it_stood(client, endpoint):
 
 
 def test_a_stream_is_resumed_once_and_then_ends_with_an_error_event(client):
-    arm = client.dispatch.app = StreamingArm(COMPLETIONS, dies_after=3, deaths=3)
+    arm = client.dispatch.arms = StreamingArm(COMPLETIONS, dies_after=3, deaths=3)
 
     async def main():
         status, events = await stream(client, body_for(COMPLETIONS, stream=True))
@@ -160,7 +160,7 @@ def test_a_stream_is_resumed_once_and_then_ends_with_an_error_event(client):
     ],
 )
 def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event(client, more):
-    arm = client.dispatch.app = StreamingArm(CHAT, dies_after=3)
+    arm = client.dispatch.arms = StreamingArm(CHAT, dies_after=3)
 
     async def main():
         status, events = await stream(client, body_for(CHAT, stream=True, **more))
@@ -171,7 +171,7 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event(client, more):
 
 
 def test_a_stream_cut_after_its_answer_ended_only_gets_its_end(client):
-    arm = client.dispatch.app = StreamingArm(CHAT, dies_after=len(WORDS))
+    arm = client.dispatch.arms = StreamingArm(CHAT, dies_after=len(WORDS))
 
     async def main():
         status, events = await stream(client, body_for(CHAT, stream=True))

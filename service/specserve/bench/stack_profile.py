@@ -65,7 +65,7 @@ VLLM_API = "API server"
 PARTS = (
     ("JSON / pickling", ("json/", "dumps", "loads", "pickle", "model_dump", "_serialize")),
     ("HTTP (uvicorn, h11/httptools)", ("uvicorn/", "h11/", "httptools")),
-    ("specserve dispatch", ("specserve/router/",)),
+    ("specserve dispatch and arm calls", ("specserve/router/", "specserve/wire/arm_calls")),
     ("specserve front", ("specserve/engine/front",)),
     (
         "Ray Serve proxy / router",

@@ -29,6 +29,7 @@ from specserve.capture.store import Bounds, CaptureWriter
 from specserve.capture.tap import Tap
 from specserve.metrics import CaptureMetrics
 from specserve.settings import get_settings
+from specserve.wire.arm_calls import serve_app
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
     SSE_DONE,
@@ -59,6 +60,7 @@ class ArmServer(LLMServer):
         self.expose_vllm = expose_vllm
         self.model = llm_config.model_id
         self._capture_writer: CaptureWriter | None = None
+        self._front: FastAPI | None = None  # built by Ray Serve's ingress, before any request
         await super().__init__(llm_config)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
@@ -75,7 +77,16 @@ class ArmServer(LLMServer):
 
         if self.expose_vllm:
             app.mount(VLLM_APP_PREFIX, await super().__serve_build_asgi_app__())
+        self._front = app
         return app
+
+    async def dispatched(self, request: bytes) -> AsyncIterator[bytes]:
+        """A request from the dispatch, over a Ray Serve handle (wire/arm_calls.py): served by
+        the front's app, in this replica, as if it had come through Ray Serve's HTTP path."""
+        if self._front is None:
+            raise RuntimeError("the arm's front is not built yet")
+        async for messages in serve_app(self._front, request):
+            yield messages
 
     async def _serve(self, request: Request, endpoint: str) -> Response:
         answer_headers = {headers.ARM: self.arm}

@@ -2,10 +2,11 @@
 
 Per inference request (`POST /v1/chat/completions`, `/v1/completions`): read the body, check it
 against the config (size, model, limits), pick the arm (override header > sticky key > random by
-weight, among the arms whose engines run and the guardrail has not drained), and hand the request
-to the proxy's own routing under the arm's route (`/arms/<name>/v1/...`), so Ray Serve sends it
-straight to a replica of the arm, which validates the schema and serves it from its engine
-(engine/front.py). There is no router replica between proxy and arm: that hop cost 2-5 ms.
+weight, among the arms whose engines run and the guardrail has not drained), and send it with its
+body in one Ray Serve handle call to a replica of the arm (wire/arm_calls.py), which validates
+the schema and serves it from its engine (engine/front.py). There is no router replica between
+proxy and arm (that hop cost 2-5 ms), nor Ray Serve's HTTP path to the replica (its call back to
+the proxy for the body and its routing by path cost more).
 On the way back the dispatch names the arm and config revision in the response headers, records
 the request in the per-arm metrics (latency, tokens, acceptance, outcome), feeds the acceptance
 guardrail, replays a request once whose arm replica died before answering (a stream cut
@@ -32,7 +33,6 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ray.serve._private.constants import SERVE_LOGGER_NAME
@@ -74,6 +74,7 @@ from specserve.serve_config import (
     CONFIG_POLL_S_ARG,
 )
 from specserve.watch import ConfigWatcher
+from specserve.wire.arm_calls import ArmCalls, ASGIApp, Message, Receive, Scope, Send
 from specserve.wire.auth import Identity, KeyLimits, KeyRing, admin_required
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
@@ -97,12 +98,6 @@ from specserve.wire.requests import (
 from specserve.wire.resume import ResumePoint, resumable, resume_point
 
 logger = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _ARM = headers.ARM.encode()
 _USAGE = headers.USAGE.encode()
@@ -157,8 +152,10 @@ class _ToServeLog(logging.Handler):
 class Dispatch:
     """The ASGI middleware around the proxy's app; its state lives as long as the proxy."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, arms: ASGIApp | None = None) -> None:
         self.app = app
+        # How a request reaches its arm's replica (`/arms/<name>/...`): a handle call each.
+        self.arms = arms if arms is not None else ArmCalls()
         self.state: DispatchState | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,7 +163,7 @@ class Dispatch:
             await self.app(scope, receive, send)
             return
         if self.state is None:  # the first request: the proxy's event loop runs now
-            self.state = DispatchState()
+            self.state = DispatchState(self.arms)
         path = scope["path"]
         endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
@@ -185,7 +182,8 @@ class DispatchState:
     """What the dispatch of one proxy knows: the config, the arms that run, the guardrail, and
     the requests in flight; it records the router's metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, arms: ASGIApp) -> None:
+        self.arms = arms
         self.serve_state = ServeState()
         self.loaded: LoadedConfig | None = None
         self.watcher: ConfigWatcher | None = None
@@ -432,7 +430,7 @@ class DispatchState:
             capture = _capture(config, record.arm, request_headers, identity)
             await self._at_arm(
                 exchange,
-                app,
+                self.arms,
                 _arm_scope(scope, record.arm, timeout_s, capture=capture),
                 raw,
                 receive,
@@ -480,7 +478,7 @@ class DispatchState:
                     )
                     fate = Fate.UNKNOWN
                     try:
-                        await self._at_arm(exchange, app, arm_scope, raw, receive)
+                        await self._at_arm(exchange, self.arms, arm_scope, raw, receive)
                         fate = exchange.fate()
                     finally:
                         ticket.settle(fate)

@@ -64,6 +64,8 @@ RAY = Supported(
         ("ray.serve.context", "_RequestContext"),
         ("ray.serve._private.constants", "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"),
         ("ray.serve._private.constants", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"),
+        ("ray.serve._private.proxy", "GenericProxy._ongoing_requests_start"),
+        ("ray.serve._private.proxy", "GenericProxy._ongoing_requests_end"),
         # What runs, read from the controller (router/arm_states.py), and the deploy.
         ("ray.serve.context", "_get_global_client"),
         ("ray.serve._private.client", "ServeControllerClient.get_serve_details"),

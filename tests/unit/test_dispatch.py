@@ -641,3 +641,42 @@ def test_the_usage_chunk_is_read_in_any_json_spelling(usage_chunk, client_wants_
     out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert content in out and out.endswith(b"data: [DONE]\n\n")
     assert (usage_chunk in out) == client_wants_usage  # dropped unless the client asked
+
+
+def test_a_request_counts_among_the_proxys_ongoing_ones_until_it_ends(client):
+    """Ray Serve stops a draining proxy once its count of ongoing requests is zero; requests
+    the dispatch sends to arms do not pass through the proxy's own path, so it counts them."""
+
+    class Proxy:  # what the dispatch wraps: Ray Serve's HTTP proxy, with its counter
+        ongoing = 0
+
+        def _ongoing_requests_start(self):
+            self.ongoing += 1
+
+        def _ongoing_requests_end(self):
+            self.ongoing -= 1
+
+    answer = asyncio.Event()
+
+    async def held_arm(scope, receive, send):
+        await receive()
+        await answer.wait()
+        start = {"type": "http.response.start", "status": 200}
+        start["headers"] = [(b"content-type", b"application/json"), (headers.ARM.encode(), b"a")]
+        await send(start)
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    proxy = Proxy()
+    client.dispatch.app = proxy
+    client.dispatch.arms = held_arm
+
+    async def main():
+        serving = asyncio.create_task(client.request())
+        await asyncio.sleep(0.2)
+        assert proxy.ongoing == 1
+        answer.set()
+        status, _, _ = await asyncio.wait_for(serving, 1)
+        assert status == 200
+        assert proxy.ongoing == 0
+
+    run(main())

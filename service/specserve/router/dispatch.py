@@ -33,6 +33,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from ray.serve._private.constants import SERVE_LOGGER_NAME
@@ -167,7 +168,8 @@ class Dispatch:
         path = scope["path"]
         endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
-            await self.state.serve(self.app, scope, receive, send, endpoint)
+            with _ongoing_in(self.app):
+                await self.state.serve(self.app, scope, receive, send, endpoint)
         elif path == READY_PATH and scope["method"] == "GET":
             await self.state.ready(self.app, scope, receive, send)
         elif path.startswith(ARM_ROUTE_PREFIX):
@@ -176,6 +178,22 @@ class Dispatch:
             await self.state.pass_with_key(self.app, scope, receive, send)
         else:  # the router application's other endpoints: probes and the OpenAPI document
             await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def _ongoing_in(proxy: Any) -> Iterator[None]:
+    """Count the request among the proxy's ongoing ones, as Ray Serve's own HTTP path does, which
+    the dispatch's requests bypass: a draining proxy (its node has no replica left) stops only
+    once none is ongoing. A no-op where the app is not Ray Serve's proxy."""
+    start = getattr(proxy, "_ongoing_requests_start", None)
+    if start is None:
+        yield
+        return
+    start()
+    try:
+        yield
+    finally:
+        proxy._ongoing_requests_end()
 
 
 class DispatchState:

@@ -124,9 +124,12 @@ def arm_deployment():
     setattr(deployment_cls, ARM_METHOD, dispatched)
     deployment_cls.cancelled = cancelled
     name = arm_app_name(ARM)
-    app = serve.deployment(name=name, max_ongoing_requests=1, max_queued_requests=1)(
-        deployment_cls
-    ).bind()
+    app = serve.deployment(
+        name=name,
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        backpressure_config={"status_code": 429, "retry_after_s": 1.5},
+    )(deployment_cls).bind()
     with own_ray_cluster(num_cpus=2, include_dashboard=False, log_to_driver=False):
         serve.run(app, name=name, route_prefix=None)
         yield
@@ -187,9 +190,12 @@ def test_a_full_arm_is_refused_with_ray_serves_status_and_no_arm_header(arm_depl
 
     refused = asyncio.run(run())
     start = refused[0]
-    assert start["status"] == 503
+    assert start["status"] == 429
     assert all(name != headers.ARM.encode() for name, _ in start["headers"])
-    assert any(name == headers.RETRY_AFTER.encode() for name, _ in start["headers"])
+    retry_after = [
+        value for name, value in start["headers"] if name == headers.RETRY_AFTER.encode()
+    ]
+    assert retry_after == [b"2"]  # whole seconds as HTTP has them, rounded up
 
 
 @pytest.mark.own_cluster

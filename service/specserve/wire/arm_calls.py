@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -47,6 +48,7 @@ ARM_METHOD = "dispatched"
 # What a replica's app is given of the proxy's scope (the rest holds the proxy's own objects).
 _SCOPE_KEYS = ("http_version", "method", "scheme", "query_string", "headers", "client", "server")
 _REQUEST_ID = headers.REQUEST_ID.encode()
+_RETRY_AFTER = headers.RETRY_AFTER.encode()
 
 
 class ArmCalls:
@@ -91,7 +93,10 @@ class ArmCalls:
                 for message in pickle.loads(payload):
                     await send(message)
         except BackPressureError as exc:  # the arm's queue is full
-            retry = [(headers.RETRY_AFTER.encode(), str(exc.retry_after_s).encode())]
+            # Whole seconds (RFC 9110 delay-seconds), rounded up, as Ray Serve's proxy writes it.
+            retry = (
+                [] if exc.retry_after_s is None else [(_RETRY_AFTER, _seconds(exc.retry_after_s))]
+            )
             await _refuse(send, exc.status_code, exc.message, retry)
         except DeploymentUnavailableError as exc:  # no replica to take it
             await _refuse(send, 503, exc.message, [])
@@ -151,6 +156,10 @@ async def serve_app(app: ASGIApp, request: bytes) -> AsyncIterator[bytes]:
         task.result()  # the app's failure, after what it answered
     finally:
         task.cancel()
+
+
+def _seconds(delay_s: float) -> bytes:
+    return str(max(0, math.ceil(delay_s))).encode()
 
 
 def _replica_scope(scope: Scope, path: str) -> dict[str, Any]:

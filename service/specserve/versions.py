@@ -62,6 +62,8 @@ RAY = Supported(
         ("ray.serve.handle", "DeploymentHandle._init"),
         ("ray.serve.context", "_serve_request_context"),
         ("ray.serve.context", "_RequestContext"),
+        ("ray.serve._private.http_util", "get_http_response_status"),
+        ("ray.serve._private.http_util", "send_http_response_on_exception"),
         ("ray.serve._private.constants", "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"),
         ("ray.serve._private.constants", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"),
         ("ray.serve._private.proxy", "GenericProxy._ongoing_requests_start"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -29,7 +28,10 @@ from ray.serve._private.constants import (
     RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING,
     RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
 )
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve._private.http_util import (
+    get_http_response_status,
+    send_http_response_on_exception,
+)
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specserve import headers
@@ -48,7 +50,6 @@ ARM_METHOD = "dispatched"
 # What a replica's app is given of the proxy's scope (the rest holds the proxy's own objects).
 _SCOPE_KEYS = ("http_version", "method", "scheme", "query_string", "headers", "client", "server")
 _REQUEST_ID = headers.REQUEST_ID.encode()
-_RETRY_AFTER = headers.RETRY_AFTER.encode()
 
 
 class ArmCalls:
@@ -88,23 +89,22 @@ class ArmCalls:
             )
         )
         response: DeploymentResponseGenerator[bytes] = self._handle(arm).remote(request)  # type: ignore[assignment]  # a streaming handle's
+        started = False
         try:
             async for payload in response:
                 for message in pickle.loads(payload):
+                    started = True
                     await send(message)
-        except BackPressureError as exc:  # the arm's queue is full
-            # Whole seconds (RFC 9110 delay-seconds), rounded up, as Ray Serve's proxy writes it.
-            retry = (
-                [] if exc.retry_after_s is None else [(_RETRY_AFTER, _seconds(exc.retry_after_s))]
-            )
-            await _refuse(send, exc.status_code, exc.message, retry)
-        except DeploymentUnavailableError as exc:  # no replica to take it
-            await _refuse(send, 503, exc.message, [])
         except asyncio.CancelledError:
             response.cancel()
             raise
-        except Exception as exc:  # the replica died or failed: nothing more is sent
-            logger.warning("arm %s: request %s failed: %s", arm, request_id, exc)
+        except Exception as exc:
+            # Answered as Ray Serve's proxy answers a failed call, with its own functions: before
+            # any answer, its refusals (a full queue: the configured status and Retry-After; no
+            # replica: 503); otherwise nothing more (a replica that died), the failure logged.
+            status = get_http_response_status(exc, None, request_id)
+            for message in send_http_response_on_exception(status, started):
+                await send(message)
 
     def _handle(self, arm: str) -> DeploymentHandle:
         handle = self._handles.get(arm)
@@ -158,10 +158,6 @@ async def serve_app(app: ASGIApp, request: bytes) -> AsyncIterator[bytes]:
         task.cancel()
 
 
-def _seconds(delay_s: float) -> bytes:
-    return str(max(0, math.ceil(delay_s))).encode()
-
-
 def _replica_scope(scope: Scope, path: str) -> dict[str, Any]:
     kept = {key: scope[key] for key in _SCOPE_KEYS if key in scope}
     return {
@@ -173,15 +169,3 @@ def _replica_scope(scope: Scope, path: str) -> dict[str, Any]:
         "raw_path": path.encode(),
         "root_path": "",
     }
-
-
-async def _refuse(send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]]) -> None:
-    """Ray Serve's own answer, as its proxy gives it: plain text, without the arm's header."""
-    body = message.encode()
-    response_headers = [
-        (b"content-type", b"text/plain; charset=utf-8"),
-        (b"content-length", str(len(body)).encode()),
-        *extra,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": response_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -208,12 +208,13 @@ def test_the_key_does_not_reach_the_arm_nor_do_headers_that_steer_ray_serve(clie
 def test_a_client_request_id_is_kept_only_in_the_expected_shape(client):
     async def main():
         _, found, _ = await client.request(extra={headers.REQUEST_ID: "abc-123:x.y_z"})
-        assert found.get(headers.REQUEST_ID, "abc-123:x.y_z") == "abc-123:x.y_z"
+        assert found[headers.REQUEST_ID] == "abc-123:x.y_z"  # on the arm's answer
         assert client.arms.requests[-1]["headers"][b"x-request-id"] == b"abc-123:x.y_z"
         for bad in ("a b", "x" * 129, "<script>", "line\\nbreak"):
-            await client.request(extra={headers.REQUEST_ID: bad})
+            _, found, _ = await client.request(extra={headers.REQUEST_ID: bad})
             given = client.arms.requests[-1]["headers"][b"x-request-id"].decode()
             assert given != bad and len(given) == 36  # a new uuid
+            assert found[headers.REQUEST_ID] == given  # the client learns it
 
     run(main())
 

@@ -167,20 +167,39 @@ class MemorySampler(threading.Thread):
 
 
 def busy_replica_pid(app: str) -> int:
-    """The engine replica of Serve application `app` on this machine using the most CPU now:
-    under load, one with requests in flight. (A replica's process title does not name the
-    requests it serves.)"""
-    replicas = [
-        p
+    """The engine replica of Serve application `app` on this machine using the most CPU now,
+    with its engine core and workers (they run below it): under load, one with requests in
+    flight. The replica's own process alone does not tell: its share is the HTTP and output
+    handling, as busy in a replica that has just started as in one that streams. (A replica's
+    process title does not name the requests it serves.)"""
+    families = {
+        p.pid: _with_descendants(p)
         for p in psutil.process_iter(["pid", "cmdline"])
         if f"ServeReplica:{app}:" in " ".join(p.info["cmdline"] or [])
-    ]
-    if not replicas:
+    }
+    if not families:
         raise RuntimeError(f"no replica of {app!r} runs on this machine")
-    for p in replicas:
-        p.cpu_percent()  # starts the measuring interval
+    for family in families.values():
+        _cpu_percent(family)  # starts the measuring interval
     time.sleep(0.5)
-    return max(replicas, key=lambda p: p.cpu_percent()).pid
+    return max(families, key=lambda pid: _cpu_percent(families[pid]))
+
+
+def _with_descendants(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return [process]
+
+
+def _cpu_percent(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            total += process.cpu_percent()
+        except psutil.Error:
+            continue
+    return total
 
 
 def kill_replica(arm: str) -> int:

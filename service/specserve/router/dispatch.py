@@ -723,12 +723,18 @@ class _Exchange:
             for name, value in response_headers:
                 if name == _USAGE:
                     self._read_usage(value)
+                elif name == self.request_id[0]:
+                    continue  # the dispatch's own, below: one id per answer
                 elif name == b"content-type" and value.startswith(b"text/event-stream"):
                     self.stream = True
                     kept.append((name, value))
                 else:
                     kept.append((name, value))
-            message["headers"] = [*kept, *(h for h in self.extra if h[0] != _ARM)]
+            message["headers"] = [
+                *kept,
+                *(h for h in self.extra if h[0] != _ARM),
+                self.request_id,  # as Ray Serve's replicas answer it
+            ]
         elif kind == "http.response.body":
             if not message.get("more_body", False):
                 self.complete = True

@@ -75,7 +75,7 @@ def training_step_seconds(rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--train-rounds", type=int, default=3)

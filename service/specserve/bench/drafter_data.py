@@ -28,7 +28,7 @@ def nested_order(records: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=None, help="default: the build's")
     parser.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.25, 0.5])
     parser.add_argument("--updates", type=int, default=600, help="optimizer steps per share")

@@ -22,7 +22,7 @@ INITS = ("random", "target-layer")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=None, help="default: the build's")
     parser.add_argument("--updates", type=int, default=600, help="optimizer steps per drafter")
     parser.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3.1")

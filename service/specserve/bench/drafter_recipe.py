@@ -35,7 +35,7 @@ PROBE_UPDATES = 40  # per-update cost varies with sequence length: a short probe
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=None, help="default: the build's")
     parser.add_argument("--minutes", type=float, default=10.0, help="training budget per recipe")
     parser.add_argument("--variant", choices=["eagle3", "eagle3.1"], default="eagle3.1")

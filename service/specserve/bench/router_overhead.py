@@ -79,7 +79,7 @@ def measure(base_url: str, model: str, arm: str, rounds: int, stream: bool) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=300, help="request pairs per arm and mode")
     parser.add_argument("--arms", nargs="*", help="arms to measure (default: all in the config)")
     args = parser.parse_args(argv)

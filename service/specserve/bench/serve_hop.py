@@ -54,7 +54,7 @@ class Ingress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=500, help="after 50 warm-up pairs")
     parser.add_argument("--grpc", action="store_true", help="handle calls over gRPC")
     parser.add_argument("--port", type=int, default=8765, help="a free port for the proxy")

@@ -323,7 +323,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--configs", nargs="+", default=["one-arm", "default"], choices=["one-arm", "default"]
     )

@@ -290,7 +290,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=30, help="96-token streams per server")
     parser.add_argument("--requests", type=int, default=300, help="1-token requests per server")
     parser.add_argument("--port", type=int, default=8300, help="specserve's (and +1, +2)")

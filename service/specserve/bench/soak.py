@@ -170,8 +170,8 @@ def busy_replica_pid(app: str) -> int:
     """The engine replica of Serve application `app` on this machine using the most CPU now,
     with its engine core and workers (they run below it): under load, one with requests in
     flight. The replica's own process alone does not tell: its share is the HTTP and output
-    handling, as busy in a replica that has just started as in one that streams. (A replica's
-    process title does not name the requests it serves.)"""
+    handling, which can be as busy in a replica that has just started as in one that streams.
+    (A replica's process title does not name the requests it serves.)"""
     families = {
         p.pid: _with_descendants(p)
         for p in psutil.process_iter(["pid", "cmdline"])

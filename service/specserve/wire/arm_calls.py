@@ -18,7 +18,6 @@ nothing more, as with Ray Serve's proxy (the dispatch replays or ends the reques
 from __future__ import annotations
 
 import asyncio
-import logging
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -36,8 +35,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specserve import headers
 from specserve.serve_config import ARM_ROUTE_PREFIX, arm_app_name
-
-logger = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

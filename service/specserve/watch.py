@@ -1,9 +1,10 @@
 """Watch the config file and hand each new valid revision to a callback.
 
 Kubernetes swaps a mounted ConfigMap by re-pointing a `..data` symlink, so change detection reads
-the file's bytes through the path (never inotify on the inode) and compares revisions. An invalid
-new file is logged and counted once, and the last good config keeps serving. Valid means the
-schema and the engine settings vLLM would accept (config_checks.py).
+the file's bytes through the path (never inotify on the inode) and compares revisions; new bytes
+are judged once they stay put (settle.py: a file edited in place can be read half-written). An
+invalid new file is logged and counted once, and the last good config keeps serving. Valid means
+the schema and the engine settings vLLM would accept (config_checks.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from specserve.config import ConfigError, LoadedConfig, parse_config, revision_of
 from specserve.config_checks import check_engine_settings
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
+from specserve.settle import stays_put
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +42,14 @@ class ConfigWatcher:
         self.last_error: str | None = None
 
     def check(self) -> LoadedConfig | None:
-        """Read the file once; apply and return a new valid revision, else None."""
-        try:
-            raw = self.path.read_bytes()
-        except OSError as exc:
-            # Mid-swap or briefly missing: keep serving and look again next time.
-            logger.debug("config %s unreadable: %s", self.path, exc)
+        """Read the file; apply and return a new valid revision, else None."""
+        raw = self._read()
+        if raw is None or revision_of(raw) == self.last_seen:
+            return None
+        if not stays_put(self.path, raw):
+            logger.debug("config %s is being written; judged at the next look", self.path)
             return None
         revision = revision_of(raw)
-        if revision == self.last_seen:
-            return None
         self.last_seen = revision
         try:
             config = parse_config(raw, source=str(self.path))
@@ -73,11 +73,20 @@ class ConfigWatcher:
         logger.info("applied config revision %s", revision)
         return loaded
 
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except OSError as exc:
+            # Mid-swap or briefly missing: keep serving and look again next time.
+            logger.debug("config %s unreadable: %s", self.path, exc)
+            return None
+
     async def run(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                self.check()
+                # In a thread: a changed file is read again a moment later (settle.py).
+                await asyncio.to_thread(self.check)
             except Exception:
                 # A failing callback must not stop the watch; the next revision gets its turn.
                 logger.exception("config watch failed")

@@ -18,6 +18,7 @@ from specserve.wire.auth import (
     parse_keys,
 )
 from specserve.wire.errors import OpenAIError
+from tests.unit.test_watch import finish_writing_while_the_reader_waits
 
 KEY = "k" * 20 + "0123456789abcdef" * 4  # 84 characters
 
@@ -61,6 +62,22 @@ def test_no_keys_files_serves_without_keys_and_an_unreadable_one_refuses_all(tmp
     ring = KeyRing(str(tmp_path / "missing"), None)
     with pytest.raises(OpenAIError):
         ring.authenticate(f"Bearer {KEY}")
+
+
+def test_a_keys_file_read_between_truncate_and_write_keeps_the_keys_read_before(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "api"
+    path.write_text(f"team-a={KEY}\n")
+    ring = KeyRing(str(path), None)
+
+    finish_writing_while_the_reader_waits(monkeypatch, path, f"team-a={KEY}\nteam-b={KEY}b\n")
+    ring.check()
+    assert ring.identify(KEY) == Identity("team-a", admin=False)  # not emptied by the torn read
+
+    monkeypatch.undo()
+    ring.check()
+    assert ring.identify(KEY + "b") == Identity("team-b", admin=False)
 
 
 def _time_per_call_ns(ring: KeyRing, key: str, calls: int) -> float:

@@ -1,5 +1,7 @@
 import os
+from types import SimpleNamespace
 
+from specserve import settle
 from specserve.config import load_config
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 from specserve.watch import ConfigWatcher
@@ -70,3 +72,25 @@ def test_missing_file_mid_swap_is_not_an_error(tmp_path):
     watcher = ConfigWatcher(path, load_config(path), lambda _: None)
     path.unlink()
     assert watcher.check() is None and watcher.last_error is None
+
+
+def finish_writing_while_the_reader_waits(monkeypatch, path, text):
+    """A writer that truncated `path` and writes `text` during the reader's settle pause."""
+    path.write_text("")
+    monkeypatch.setattr(settle, "time", SimpleNamespace(sleep=lambda _: path.write_text(text)))
+
+
+def test_a_file_read_between_truncate_and_write_is_judged_once_written(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD % 1)
+    applied, results = [], []
+    watcher = ConfigWatcher(path, load_config(path), applied.append, results.append)
+
+    finish_writing_while_the_reader_waits(monkeypatch, path, GOOD % 3)
+    assert watcher.check() is None
+    assert results == [] and watcher.last_error is None  # the empty read is not judged
+
+    monkeypatch.undo()
+    new = watcher.check()
+    assert new is not None and new.config.weights == {"a": 3.0, "b": 1.0}
+    assert applied == [new] and results == [RELOAD_APPLIED]

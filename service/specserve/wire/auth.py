@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.headers import RETRY_AFTER, WWW_AUTHENTICATE
+from specserve.settle import stays_put
 from specserve.wire.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,14 @@ class KeysFile:
         seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         if seen == self._seen:
             return False
-        self._seen = seen
         try:
-            keys = parse_keys(self.path.read_text(), source=str(self.path))
+            raw = self.path.read_bytes()
+            if not stays_put(self.path, raw):
+                return False  # being written: read again at the next check
+            self._seen = seen
+            keys = parse_keys(raw.decode(), source=str(self.path))
         except (OSError, UnicodeDecodeError, KeysFileError) as exc:
+            self._seen = seen
             logger.error("keys file refused, the keys read before stay: %s", exc)
             return False
         self.keys, self.loaded = keys, True

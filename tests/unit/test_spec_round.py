@@ -6,7 +6,7 @@ from specserve.bench.spec_round import PARTS, part_of, read_raw_profile
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 TIMED = [
     "main (specserve/bench/spec_round.py:202)",
-    "generate_one_at_a_time (specserve/bench/spec_round.py:96)",
+    "generate_for_users (specserve/bench/spec_round.py:96)",
     "LLM.chat (vllm/entrypoints/llm.py:702)",
     "EngineCore.step (vllm/v1/engine/core.py:676)",
 ]

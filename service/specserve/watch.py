@@ -44,12 +44,14 @@ class ConfigWatcher:
     def check(self) -> LoadedConfig | None:
         """Read the file; apply and return a new valid revision, else None."""
         raw = self._read()
-        if raw is None or revision_of(raw) == self.last_seen:
+        if raw is None:
+            return None
+        revision = revision_of(raw)
+        if revision == self.last_seen:
             return None
         if not stays_put(self.path, raw):
             logger.debug("config %s is being written; judged at the next look", self.path)
             return None
-        revision = revision_of(raw)
         self.last_seen = revision
         try:
             config = parse_config(raw, source=str(self.path))

@@ -11,8 +11,12 @@ from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.drafter.pipeline import split_validation
 from specserve.drafter.train import (
     TrainConfig,
+    answer_labels,
+    batch_loss,
     captured_rms,
+    collate,
     offline_acceptance,
+    plan_forwards,
     sequence_batch,
     train,
 )
@@ -167,3 +171,91 @@ def test_soft_labels_of_a_certain_teacher_train_like_hard_labels(tmp_path):
         record["final"] = record["final"].roll(1, dims=-1)
     other = train(drafter(), records, tmp_path / "other", soft_config, target_head=head)
     assert (other.lm_head.weight - hard.lm_head.weight).abs().max() > 1e-2
+
+
+def uneven(seed: int) -> dict:
+    """A counting sequence of its own length and answer start, with final states."""
+    g = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(20, 60, (1,), generator=g))
+    record = sequence(seed, length)
+    record["answer_start"] = int(torch.randint(2, length - 5, (1,), generator=g))
+    record["final"] = torch.randn(length, 50, generator=g).bfloat16()
+    return record
+
+
+@pytest.mark.parametrize("max_len", [1 << 30, 30, 12])
+def test_answer_labels_counts_what_step_one_learns(max_len):
+    for seed in range(30):
+        record = uneven(seed)
+        _, _, labels, _, _ = sequence_batch(record, steps=3, max_len=max_len)
+        assert answer_labels(record, max_len) == int((labels[0] >= 0).sum())
+
+
+def test_forwards_group_by_length_within_the_budget():
+    lengths = [50, 10, 40, 12, 300, 11]
+    groups = plan_forwards(lengths, batch_tokens=100)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert [300] in [[lengths[i] for i in g] for g in groups]  # too long: alone
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) == 1 or len(group) * longest <= 100
+        assert longest == lengths[group[0]]  # longest first
+    assert plan_forwards(lengths, 0) == [[4], [0], [2], [3], [5], [1]]
+
+
+@pytest.fixture
+def float32(monkeypatch):
+    """No bf16 autocast: exact comparisons between batch shapes."""
+    monkeypatch.setattr("specserve.drafter.train.fast_dtype", lambda: "float32")
+
+
+def test_a_padded_batch_has_the_loss_and_gradients_of_its_sequences_one_by_one(float32):
+    records = [uneven(seed) for seed in range(5)]
+    head = torch.randn(50, 50)
+    weights = [1.0, 0.8, 0.64]
+
+    def loss_and_grads(batches):
+        model = drafter()
+        total = torch.zeros(())
+        right, seen = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+        for batch in batches:
+            loss, r, s = batch_loss(model, batch, weights, 0.3, head)
+            loss.backward()
+            total, right, seen = total + loss.detach(), right + r, seen + s
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return total, right, seen, grads
+
+    together = loss_and_grads([collate(records, 3, 1 << 30)])
+    alone = loss_and_grads([collate([r], 3, 1 << 30) for r in records])
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-4)
+    assert together[1].tolist() == alone[1].tolist()
+    assert together[2].tolist() == alone[2].tolist()
+    assert together[2][0] == sum(answer_labels(r, 1 << 30) for r in records)
+    for name, grad in alone[3].items():
+        torch.testing.assert_close(together[3][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_training_takes_the_updates_of_one_sequence_at_a_time(float32, tmp_path):
+    records = [uneven(seed) for seed in range(12)]
+    validation = [uneven(100 + seed) for seed in range(3)]
+    config = TrainConfig(epochs=2, tokens_per_update=48, lr=1e-2, validate_every=4)
+    batched = train(drafter(), records, tmp_path / "batched", config, validation=validation)
+    single = TrainConfig(**{**asdict(config), "batch_tokens": 0})
+    one_by_one = train(drafter(), records, tmp_path / "single", single, validation=validation)
+    for name, tensor in one_by_one.state_dict().items():
+        torch.testing.assert_close(batched.state_dict()[name], tensor, rtol=1e-3, atol=1e-4)
+    curves = [
+        json.loads((tmp_path / run / "validation.json").read_text())
+        for run in ("batched", "single")
+    ]
+    assert [h["update"] for h in curves[0]] == [h["update"] for h in curves[1]]
+    for a, b in zip(*curves, strict=True):
+        assert a["chain"] == pytest.approx(b["chain"], abs=1e-6)
+
+
+def test_offline_acceptance_is_the_same_batched_or_not():
+    records = [uneven(seed) for seed in range(7)]
+    batched = offline_acceptance(drafter(), records, steps=3, batch_tokens=4096)
+    single = offline_acceptance(drafter(), records, steps=3, batch_tokens=0)
+    assert batched.tokens == single.tokens
+    assert batched.chain == pytest.approx(single.chain, abs=1e-6)

@@ -193,7 +193,13 @@ class Drafter(nn.Module):
     # -- training-time test ---------------------------------------------------------------------
 
     def unrolled(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, logits_from: int = 0
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        logits_from: int = 0,
+        *,
+        heads: bool = True,
     ) -> list[torch.Tensor]:
         """Draft-vocabulary logits for `steps` unrolled draft steps, as inference runs them.
 
@@ -205,7 +211,9 @@ class Drafter(nn.Module):
         vLLM has when drafting. Returns one (B, T - logits_from, V_draft) tensor per step.
         Only step 0's keys and values cover the whole sequence (they are everyone's context);
         all queries, and so all logits, start at index `logits_from`, which training sets to
-        skip the prompt.
+        skip the prompt. With `heads=False` it returns each step's post-norm hidden states
+        (B, T - logits_from, H) instead, for a caller that applies `lm_head` to the rows it
+        needs only (training: the answer's).
         """
         B, T, _ = aux.shape
         f = logits_from
@@ -228,7 +236,7 @@ class Drafter(nn.Module):
                 q[:, :, f - start :], torch.cat(keys, dim=2), torch.cat(values, dim=2), mask
             )
             normed, prenorm = self.layer_outputs(out, residual[:, f - start :])
-            logits.append(self.lm_head(normed))
+            logits.append(self.lm_head(normed) if heads else normed)
             hidden = self.next_hidden(normed, prenorm)
         return logits
 

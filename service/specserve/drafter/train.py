@@ -46,6 +46,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 0.5
     tokens_per_update: int = 512  # answer tokens per optimizer step; smaller steps learn faster
+    # Padded tokens per forward pass: an update's sequences, sorted by length, run together in
+    # forwards of at most this many (B x longest) tokens; 0 runs one sequence per forward.
+    batch_tokens: int = 8192
     max_len: int = 2048  # longer sequences keep their last max_len tokens (the answer)
     seed: int = 0
     checkpoint_every: int = 50
@@ -134,29 +137,147 @@ def sequence_batch(record: dict, steps: int, max_len: int):
     return aux[:T][None], inputs[None], labels, finals, first
 
 
+@dataclass
+class Batch:
+    """Several sequences padded on the right to one length T, so one forward runs them all.
+    Padding sits after each sequence's end, where causal attention never reaches back from a
+    real position, and its labels are -100."""
+
+    aux: torch.Tensor  # (B, T, 3H)
+    inputs: torch.Tensor  # (B, T + steps - 1)
+    labels: list[torch.Tensor]  # per step (B, T - first)
+    finals: list[torch.Tensor] | None  # per step (B, T - first, H)
+    first: int  # the first index whose logits are needed, for every sequence
+    answer_tokens: int  # labels of step 1 that are answer tokens (what an update counts)
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.aux.to(device, non_blocking=True),
+            self.inputs.to(device, non_blocking=True),
+            [x.to(device, non_blocking=True) for x in self.labels],
+            [x.to(device, non_blocking=True) for x in self.finals] if self.finals else None,
+            self.first,
+            self.answer_tokens,
+        )
+
+
+def collate(records: list[dict], steps: int, max_len: int) -> Batch:
+    """`sequence_batch` of each record, padded to the longest and stacked."""
+    parts = [sequence_batch(r, steps, max_len) for r in records]
+    T = max(aux.shape[1] for aux, *_ in parts)
+    first = min(p[4] for p in parts)
+    aux = torch.zeros(len(parts), T, parts[0][0].shape[-1], dtype=parts[0][0].dtype)
+    inputs = torch.zeros(len(parts), T + steps - 1, dtype=torch.long)
+    labels = [torch.full((len(parts), T), -100, dtype=torch.long) for _ in range(steps)]
+    has_finals = all(p[3] is not None for p in parts)
+    finals = []
+    if has_finals:
+        width, dtype = parts[0][3][0].shape[-1], parts[0][3][0].dtype
+        finals = [torch.zeros(len(parts), T, width, dtype=dtype) for _ in range(steps)]
+    for b, (a, i, ls, fs, _) in enumerate(parts):
+        n = a.shape[1]
+        aux[b, :n] = a[0]
+        inputs[b, : i.shape[1]] = i[0]
+        for j in range(steps):
+            labels[j][b, :n] = ls[j][0]
+            if has_finals:
+                finals[j][b, :n] = fs[j][0]
+    labels = [label[:, first:] for label in labels]
+    return Batch(
+        aux,
+        inputs,
+        labels,
+        [final[:, first:] for final in finals] if has_finals else None,
+        first,
+        int((labels[0] >= 0).sum()),
+    )
+
+
+def plan_forwards(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group sequences (their indices into `lengths`) into forwards of at most `batch_tokens`
+    padded tokens (count x longest), longest first, so that neighbours in length pad each
+    other little. A sequence longer than the budget runs alone; 0 runs each alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def sequence_length(record: dict, max_len: int) -> int:
+    """Positions `sequence_batch` keeps of a record (those with a next token, at most max_len)."""
+    return min(record["input_ids"].numel() - 1, max_len)
+
+
 @torch.no_grad()
-def offline_acceptance(model: Drafter, records: list[dict], steps: int) -> OfflineAcceptance:
+def offline_acceptance(
+    model: Drafter, records: list[dict], steps: int, batch_tokens: int = TrainConfig.batch_tokens
+) -> OfflineAcceptance:
     was_training = model.training
     model.eval()
-    right, chained, tokens = torch.zeros(steps), torch.zeros(steps), 0
     device = next(model.parameters()).device
-    for record in records:
-        aux, inputs, labels, _, first = sequence_batch(record, steps, max_len=1 << 30)
-        aux, inputs, labels = aux.to(device), inputs.to(device), [x.to(device) for x in labels]
+    right = torch.zeros(steps, device=device)
+    chained = torch.zeros(steps, device=device)
+    tokens = 0
+    lengths = [sequence_length(r, 1 << 30) for r in records]
+    for group in plan_forwards(lengths, batch_tokens):
+        batch = collate([records[i] for i in group], steps, max_len=1 << 30).to(device)
         with autocast(device):
-            logits = model.unrolled(aux.float(), inputs, steps, logits_from=first)
-        answer = labels[0][:, first:] >= 0
+            logits = model.unrolled(batch.aux.float(), batch.inputs, steps, batch.first)
+        answer = batch.labels[0] >= 0
         chain = torch.ones_like(answer)
-        for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
-            target = model.to_draft(label[:, first:].clamp(min=0))
-            ok = (step_logits.argmax(-1) == target) & (label[:, first:] >= 0)
+        for j, (step_logits, label) in enumerate(zip(logits, batch.labels, strict=True)):
+            ok = (step_logits.argmax(-1) == model.to_draft(label.clamp(min=0))) & (label >= 0)
             chain &= ok
-            right[j] += ok[answer].sum().cpu()
-            chained[j] += chain[answer].sum().cpu()
-        tokens += int(answer.sum())
+            right[j] += ok[answer].sum()
+            chained[j] += chain[answer].sum()
+        tokens += batch.answer_tokens
     model.train(was_training)
     n = max(tokens, 1)
     return OfflineAcceptance(tokens, (right / n).tolist(), (chained / n).tolist())
+
+
+def batch_loss(
+    model: Drafter,
+    batch: Batch,
+    weights: list[float],
+    soft_weight: float = 0.0,
+    teacher_head: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> the batch's weighted loss summed over its answer tokens, and per step the right
+    top-1 guesses and the tokens they were counted over (tensors on the model's device: read
+    them once an update, not once a batch). The draft `lm_head` runs on answer rows only."""
+    device = batch.aux.device
+    steps = len(weights)
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros(steps, device=device, dtype=torch.long)
+    counted = torch.zeros(steps, device=device, dtype=torch.long)
+    with autocast(device):
+        hidden = model.unrolled(
+            batch.aux.float(), batch.inputs, steps, logits_from=batch.first, heads=False
+        )
+        for j, (normed, label) in enumerate(zip(hidden, batch.labels, strict=True)):
+            answer = label >= 0
+            target = model.to_draft(label[answer])  # (N,) -100 where the draft has no such id
+            logits = model.lm_head(normed[answer])  # (N, V_draft)
+            with torch.autocast(device.type, enabled=False):
+                log_p = F.log_softmax(logits.float(), dim=-1)
+            step_loss = F.nll_loss(log_p, target, ignore_index=-100, reduction="sum")
+            if soft_weight:
+                if batch.finals is None or teacher_head is None:
+                    raise ValueError("soft_labels needs records with final states")
+                with torch.no_grad():
+                    teacher = batch.finals[j][answer].float() @ teacher_head.T
+                soft = -(teacher.softmax(-1) * log_p).sum()
+                step_loss = (1 - soft_weight) * step_loss + soft_weight * soft
+            loss = loss + weights[j] * step_loss
+            valid = target >= 0
+            correct[j] = ((logits.argmax(-1) == target) & valid).sum()
+            counted[j] = valid.sum()
+    return loss, correct, counted
 
 
 def train(
@@ -215,7 +336,7 @@ def train(
     def validate() -> None:
         nonlocal best
         assert validation is not None
-        result = offline_acceptance(model, validation, config.steps)
+        result = offline_acceptance(model, validation, config.steps, config.batch_tokens)
         history.append({"update": update, **asdict(result)})
         (out_dir / "validation.json").write_text(json.dumps(history, indent=1))
         length = result.mean_acceptance_length
@@ -234,66 +355,51 @@ def train(
     running = [0.0] * config.steps  # top-1 per step, averaged over recent updates
     start = update  # a resumed run averages from where it resumed
     while update < total_updates:
-        tokens, loss_sum, correct, counted = 0, 0.0, [0] * config.steps, [0] * config.steps
-        optimizer.zero_grad(set_to_none=True)
-        dealt = 0  # sequences of this update so far: rank r takes every world-th one
+        # The update's sequences, in the seeded order: whole ones until they hold
+        # tokens_per_update answer tokens. Rank r computes every world-th of them.
+        tokens, chosen = 0, []
         while tokens < config.tokens_per_update:
             if position >= len(order):
                 order, position = list(range(len(records))), 0
                 order_rng.shuffle(order)
             record = records[order[position]]
             position += 1
-            aux, inputs, labels, finals, first = sequence_batch(
-                record, config.steps, config.max_len
-            )
-            labels = [label[:, first:] for label in labels]
-            tokens += max(int((labels[0] >= 0).sum()), 1)
-            mine = dealt % world == rank
-            dealt += 1
-            if not mine:
-                continue  # counted for the update's size; another rank computes it
-            aux, inputs = aux.to(device), inputs.to(device)
-            labels = [label.to(device) for label in labels]
-            with autocast(device):
-                logits = model.unrolled(aux.float(), inputs, config.steps, logits_from=first)
-            loss = torch.zeros((), device=device)
-            for j, (step_logits, label) in enumerate(zip(logits, labels, strict=True)):
-                answer = label >= 0
-                if not answer.any():
-                    continue
-                target = model.to_draft(label.clamp(min=0))
-                target[~answer] = -100
-                log_p = F.log_softmax(step_logits.float()[answer], dim=-1)
-                hard = F.nll_loss(log_p, target[answer], ignore_index=-100, reduction="sum")
-                step_loss = hard
-                if soft_weight:
-                    if finals is None or teacher_head is None:
-                        raise ValueError("soft_labels needs records with final states")
-                    with torch.no_grad():
-                        final = finals[j][:, first:].to(device)[answer]
-                        teacher = final.float() @ teacher_head.T
-                    soft = -(teacher.softmax(-1) * log_p).sum()
-                    step_loss = (1 - soft_weight) * hard + soft_weight * soft
-                loss = loss + weights[j] * step_loss
-                valid = target >= 0
-                correct[j] += int((step_logits.argmax(-1) == target)[valid].sum())
-                counted[j] += int(valid.sum())
+            tokens += max(answer_labels(record, config.max_len), 1)
+            chosen.append(record)
+        mine = chosen[rank::world]
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros(config.steps, device=device, dtype=torch.long)
+        counted = torch.zeros(config.steps, device=device, dtype=torch.long)
+        lengths = [sequence_length(r, config.max_len) for r in mine]
+        for group in plan_forwards(lengths, config.batch_tokens):
+            batch = collate([mine[i] for i in group], config.steps, config.max_len).to(device)
+            loss, right, seen = batch_loss(model, batch, weights, soft_weight, teacher_head)
             (loss / config.tokens_per_update).backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach()
+            correct += right
+            counted += seen
+        stats = torch.cat([loss_sum[None].double(), correct.double(), counted.double()])
         if world > 1:
-            loss_sum, correct, counted = _all_reduce(params, loss_sum, correct, counted)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(update)
+            stats = _all_reduce(params, stats)
+        stats_list = stats.tolist()  # the update's one read back to the host
+        loss_total = stats_list[0]
+        right_steps = stats_list[1 : 1 + config.steps]
+        seen_steps = stats_list[1 + config.steps :]
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr_at(update)
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
         update += 1
         smoothing = min(0.98, 1 - 1 / (update - start))  # a plain mean for the first updates
         running = [
             smoothing * r + (1 - smoothing) * c / max(n, 1)
-            for r, c, n in zip(running, correct, counted, strict=True)
+            for r, c, n in zip(running, right_steps, seen_steps, strict=True)
         ]
         bar.update()
-        bar.set_postfix(loss=f"{loss_sum / tokens:.3f}", acc="/".join(f"{a:.2f}" for a in running))
+        bar.set_postfix(
+            loss=f"{loss_total / tokens:.3f}", acc="/".join(f"{a:.2f}" for a in running)
+        )
         if rank != 0:
             continue
         if validation and (update % config.validate_every == 0 or update == total_updates):
@@ -322,9 +428,17 @@ def train(
     return model
 
 
-def _all_reduce(
-    params: list[torch.nn.Parameter], loss_sum: float, correct: list[int], counted: list[int]
-) -> tuple[float, list[int], list[int]]:
+def answer_labels(record: dict, max_len: int) -> int:
+    """Answer tokens step 1 learns from in a record (what an update's size counts), without
+    building its tensors: `sequence_batch`'s step-1 label at index t is the token at position
+    t + 2, an answer token from the answer's start on, up to the last position."""
+    ids = record["input_ids"].numel()
+    start = max(0, ids - 1 - max_len)
+    last = ids - 1 - start  # T: the last position with a token
+    return max(0, last + 1 - max(record["answer_start"] - start, 2))
+
+
+def _all_reduce(params: list[torch.nn.Parameter], stats: torch.Tensor) -> torch.Tensor:
     """Sum gradients (a rank that drew no sequence this update adds zeros) and the update's
     statistics over the group."""
     import torch.distributed as dist
@@ -333,11 +447,8 @@ def _all_reduce(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
-    stats = torch.tensor([loss_sum, *correct, *counted], dtype=torch.float64)
     dist.all_reduce(stats)
-    steps = len(correct)
-    as_ints = [int(x) for x in stats[1:].tolist()]
-    return float(stats[0]), as_ints[:steps], as_ints[steps:]
+    return stats
 
 
 def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from specserve.cluster_config import DEFAULT_KEEP
@@ -233,6 +234,36 @@ def build_parser() -> argparse.ArgumentParser:
     loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
     loop_p.add_argument("--json", type=Path, help="write the loop's report here")
 
+    tune_p = sub.add_parser(
+        "tune",
+        parents=[cluster_args],
+        help="k by load: measure round costs and live acceptance, write each drafting arm's "
+        "k schedule as a config revision",
+    )
+    tune_p.add_argument("--arms", nargs="+", help="drafting arms to tune (default: all)")
+    tune_p.add_argument(
+        "--prometheus", help="a Prometheus scraping specserve, for live acceptance per position"
+    )
+    tune_p.add_argument(
+        "--since", help="live acceptance since 30m, 2h, ... ago (default: the active revision)"
+    )
+    tune_p.add_argument(
+        "--min-drafts",
+        type=int,
+        default=200,
+        help="live drafts an arm needs for its live acceptance to be used, else the bench "
+        "prompts' (200)",
+    )
+    tune_p.add_argument(
+        "--costs", type=Path, metavar="DIR", help="round costs of an earlier run (DIR/ARM.json)"
+    )
+    tune_p.add_argument(
+        "--out", type=Path, help="where measured round costs go (default: <cache dir>/tune)"
+    )
+    tune_p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    tune_p.add_argument("--repeats", type=int, default=3, help="passes over every cell (3)")
+    tune_p.add_argument("--dry-run", action="store_true", help="show the schedules only")
+
     capture_p = sub.add_parser("capture", help="the arms' capture samples: show or delete them")
     from specserve.capture import commands as capture_commands
 
@@ -304,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             return report.run(args)
         if args.command == "loop":
             return _loop(args)
+        if args.command == "tune":
+            return _tune(args)
         if args.command == "capture":
             return capture_commands.run(args)
         if args.command == "drafter":
@@ -350,6 +383,39 @@ def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
                 f"~ arm {name} {', '.join(engines)} changed (applied to the running engines)"
             )
     return lines
+
+
+def _config_store(
+    args: argparse.Namespace, what: str
+) -> tuple[Callable[[], str], Callable[[str, RouterConfig], str]]:
+    """The live config's text and a way to apply a new revision (-> its revision), of the
+    local file (`--local`) or a release on Kubernetes; what is applied is checked with vLLM's
+    own argument parser first."""
+    from specserve import cluster_config
+
+    if args.local:
+        from specserve.local_config import LocalConfig
+
+        local = LocalConfig(_config_path(None) if args.local == _CONFIGURED else args.local)
+
+        def apply_local(text: str, config: RouterConfig) -> str:
+            check_engine_settings(config, source=what)
+            return local.apply(text, config).new_revision
+
+        return local.live_text, apply_local
+
+    cluster = cluster_config.Cluster.connect(
+        release=args.release,
+        namespace=args.namespace,
+        context=args.context,
+        kubeconfig=args.kubeconfig,
+    )
+
+    def apply_cluster(text: str, config: RouterConfig) -> str:
+        check_engine_settings(config, source=what)
+        return cluster_config.apply(cluster, text, config).new_revision
+
+    return (lambda: cluster_config.live_text(cluster)), apply_cluster
 
 
 def _positive_int(text: str) -> int:
@@ -466,35 +532,11 @@ def _loop(args: argparse.Namespace) -> int:
     """`specserve loop` against the local config file (`--local`) or a release."""
     import yaml
 
-    from specserve import cluster_config, loop
+    from specserve import loop
     from specserve.ab.prometheus import Prometheus
     from specserve.config import Eagle3Speculation
 
-    if args.local:
-        from specserve.local_config import LocalConfig
-
-        local = LocalConfig(_config_path(None) if args.local == _CONFIGURED else args.local)
-        live_text = local.live_text
-
-        def apply(text: str, config: RouterConfig) -> str:
-            check_engine_settings(config, source="the loop's revision")
-            return local.apply(text, config).new_revision
-
-    else:
-        cluster = cluster_config.Cluster.connect(
-            release=args.release,
-            namespace=args.namespace,
-            context=args.context,
-            kubeconfig=args.kubeconfig,
-        )
-
-        def live_text() -> str:
-            return cluster_config.live_text(cluster)
-
-        def apply(text: str, config: RouterConfig) -> str:
-            check_engine_settings(config, source="the loop's revision")
-            return cluster_config.apply(cluster, text, config).new_revision
-
+    live_text, apply = _config_store(args, "the loop's revision")
     config = loop.LoopConfig(
         incumbent=args.incumbent,
         share=args.share,
@@ -528,6 +570,62 @@ def _loop(args: argparse.Namespace) -> int:
         loop.write_report(report, args.json)
     print(yaml.safe_dump({k: report[k] for k in ("outcome", "reason", "steps")}, sort_keys=False))
     return 0 if report["outcome"] == loop.PROMOTED else 3
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """`specserve tune` against the local config file (`--local`) or a release."""
+    from specserve import tune
+    from specserve.ab.prometheus import PrometheusError
+    from specserve.settings import get_settings
+
+    if not args.local and args.costs is None:
+        print(
+            "error: on Kubernetes the round costs must come from a node of the arms' kind: run "
+            "`python -m specserve.bench.round_cost --out DIR` in a worker pod and pass "
+            "--costs DIR (or tune a local platform with --local)",
+            file=sys.stderr,
+        )
+        return 2
+    live_text, apply = _config_store(args, "the tuned revision")
+    text = live_text()
+    config = parse_config(text.encode(), source="the live config")
+    try:
+        arms = tune.drafting_arms(config, args.arms)
+        totals = tune.live_acceptance(args.prometheus, args.since)
+    except (ValueError, PrometheusError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not arms:
+        print("no arm drafts: nothing to tune")
+        return 0
+    costs = tune.round_costs(
+        text,
+        arms,
+        costs_dir=args.costs,
+        out=args.out or get_settings().cache_dir / "tune",
+        batch_sizes=args.batch_sizes,
+        repeats=args.repeats,
+    )
+    tunings = tune.plan(config, costs, totals, args.min_drafts)
+    print(tune.render(tunings))
+    schedules = {t.arm: t.schedule for t in tunings}
+    # The live config again: it may have changed while the costs were measured.
+    old_text = live_text()
+    new_text, new_config = tune.tuned_text(old_text, schedules)
+    if args.dry_run:
+        print("dry run: nothing applied")
+        return 0
+    old = parse_config(old_text.encode(), source="the live config")
+    changed = [c.name for c in arm_changes(old, new_config) if c.restart]
+    if not changed:
+        print("every schedule is already in force: nothing applied")
+        return 0
+    revision = apply(new_text, new_config)
+    print(
+        f"applied revision {revision}: {', '.join(changed)} redeploy with the new schedule "
+        "(`specserve config rollback" + (" --local" if args.local else "") + "` undoes it)"
+    )
+    return 0
 
 
 def _drafter(args: argparse.Namespace) -> int:

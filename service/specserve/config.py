@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from specserve import config_policy, headers
+from specserve import config_policy, headers, k_schedule
 
 # The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
 # this long at most for its requests, each of which its own timeout ends sooner.
@@ -109,9 +109,32 @@ class NoSpeculation(_Strict):
     method: Literal["none"] = Field(description="Plain decoding, the baseline arm.")
 
 
-class NgramSpeculation(_Strict):
+class _Drafting(_Strict):
+    """What every drafting method takes: k, and optionally k by batch size."""
+
+    num_speculative_tokens: int = Field(
+        gt=0, le=16, description="Draft tokens per step (k); the most a schedule may use."
+    )
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = Field(
+        None,
+        description="k by load: inclusive batch-size ranges [first, last, k], the first "
+        "starting at 1, k from 0 (no drafts) to `num_speculative_tokens`; the last range's k "
+        "holds beyond it. vLLM's dynamic speculative decoding picks each step's k by the "
+        "requests in it. `specserve tune` measures and writes it (docs/config.md).",
+    )
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> _Drafting:
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is not None:
+            found = k_schedule.problem(schedule, self.num_speculative_tokens)
+            if found:
+                raise ValueError(f"num_speculative_tokens_per_batch_size: {found}")
+        return self
+
+
+class NgramSpeculation(_Drafting):
     method: Literal["ngram"] = Field(description="Prompt-lookup drafting (no draft model).")
-    num_speculative_tokens: int = Field(gt=0, le=16, description="Draft tokens per step (k).")
     prompt_lookup_max: int = Field(4, gt=0, description="Longest n-gram matched in the prompt.")
     prompt_lookup_min: int = Field(2, gt=0, description="Shortest n-gram matched in the prompt.")
 
@@ -122,7 +145,7 @@ class NgramSpeculation(_Strict):
         return self
 
 
-class Eagle3Speculation(_Strict):
+class Eagle3Speculation(_Drafting):
     method: Literal["eagle3"] = Field(
         description="EAGLE-3 drafter; EAGLE-3.1 checkpoints (fc_norm, norm_output) use it too."
     )
@@ -130,7 +153,6 @@ class Eagle3Speculation(_Strict):
         description="Drafter checkpoint directory or hub id, or `package://NAME` for a drafter "
         "shipped with specserve (a directory under specserve/drafters)."
     )
-    num_speculative_tokens: int = Field(gt=0, le=16, description="Draft tokens per step (k).")
 
     @field_validator("model")
     @classmethod
@@ -512,6 +534,11 @@ class RouterConfig(_Strict):
     @property
     def weights(self) -> dict[str, float]:
         return {arm.name: arm.weight for arm in self.arms}
+
+    @property
+    def k_by_arm(self) -> dict[str, list[tuple[str, int]]]:
+        """Each arm's k per range of batch sizes, labelled as metrics show them."""
+        return {arm.name: k_schedule.ranges_of(arm.speculative) for arm in self.arms}
 
 
 class LoadedConfig(BaseModel):

@@ -21,8 +21,16 @@ per arm; docs/metrics.md has them all):
   acceptance at position p = rate(ray_specserve_spec_accepted_tokens_per_position_total{
                                  position="p"}[5m])
                              / rate(ray_specserve_spec_drafts_total[5m])
+  accepted once drafted, p = rate(ray_specserve_spec_accepted_tokens_per_position_total{
+                                 position="p"}[5m])
+                             / rate(ray_specserve_spec_draft_tokens_per_position_total{
+                                 position="p"}[5m])
+  k in force (drafted)     = rate(ray_specserve_spec_draft_tokens_total[5m])
+                             / rate(ray_specserve_spec_drafts_total[5m])
 
-These are vLLM's definitions (v1/spec_decode/metrics.py).
+The first three are vLLM's definitions (v1/spec_decode/metrics.py). Under a k schedule
+(k by batch size) not every draft reaches position p, so the k advisor and `specserve tune`
+read the fourth: the chance a token at p is accepted once it was drafted.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ RESULT = "result"
 REVISION = "revision"
 SELECTED_BY = "selected_by"
 STAT = "stat"
+BATCH_SIZES = "batch_sizes"  # a k schedule's range of batch sizes, as the config writes it
 KEY = "key"  # an API key's name (never the key)
 
 # Request outcomes (label values of specserve_requests_total).
@@ -104,6 +113,8 @@ SPEC_DRAFTS = f"{PREFIX}_spec_drafts"
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
 SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
 SPEC_ACCEPTED_PER_POSITION = f"{PREFIX}_spec_accepted_tokens_per_position"
+SPEC_DRAFTED_PER_POSITION = f"{PREFIX}_spec_draft_tokens_per_position"
+ARM_SPECULATIVE_TOKENS = f"{PREFIX}_arm_speculative_tokens"
 ARM_WEIGHT = f"{PREFIX}_arm_weight"
 ARM_RUNNING = f"{PREFIX}_arm_running"
 ARM_DRAINED = f"{PREFIX}_arm_drained"
@@ -130,6 +141,7 @@ COUNTERS = (
     SPEC_DRAFT_TOKENS,
     SPEC_ACCEPTED_TOKENS,
     SPEC_ACCEPTED_PER_POSITION,
+    SPEC_DRAFTED_PER_POSITION,
     CONFIG_RELOADS,
     GUARDRAIL_DRAINS,
     ENGINE_RETRIES,
@@ -151,6 +163,7 @@ HISTOGRAMS = (
 )
 GAUGES = (
     ARM_WEIGHT,
+    ARM_SPECULATIVE_TOKENS,
     ARM_RUNNING,
     ARM_DRAINED,
     REQUESTS_IN_FLIGHT,
@@ -176,6 +189,20 @@ def accepted_per_position(histogram: list[int]) -> list[int]:
     prefix, so position p was accepted in every step with j > p.
     """
     return [sum(histogram[p + 1 :]) for p in range(max(len(histogram) - 1, 0))]
+
+
+def drafted_per_position(stats: dict) -> list[int]:
+    """Draft tokens proposed at each position from vLLM's per-request stats: exact from the
+    per-step draft lengths (`detailed`, what arms with a k schedule report); else every verify
+    step's draft taken as the request's mean length (`summary`: exact for a fixed k)."""
+    per_step = stats.get("per_step_drafted")
+    if per_step:
+        longest = max(per_step)
+        return [sum(1 for n in per_step if n > p) for p in range(longest)]
+    steps = int(stats.get("num_spec_steps") or 0)
+    if not steps:
+        return []
+    return [steps] * round(int(stats.get("num_draft_tokens") or 0) / steps)
 
 
 class RouterMetrics:
@@ -252,8 +279,20 @@ class RouterMetrics:
             "Draft tokens accepted at each draft position (0 = first drafted token).",
             (*arm, POSITION),
         )
+        self.drafted_per_position = Counter(
+            SPEC_DRAFTED_PER_POSITION,
+            "Draft tokens proposed at each draft position (0 = first drafted token): under a "
+            "k schedule, the drafts that reached the position.",
+            (*arm, POSITION),
+        )
         self.arm_weight = Gauge(
             ARM_WEIGHT, "Configured traffic weight of each arm in the active config.", arm
+        )
+        self.arm_speculative_tokens = Gauge(
+            ARM_SPECULATIVE_TOKENS,
+            "Draft tokens per step (k) the active config gives each arm, per range of batch "
+            "sizes (`1+`: every batch size; 0 for an arm without speculation).",
+            (*arm, BATCH_SIZES),
         )
         self.arm_running = Gauge(
             ARM_RUNNING, "1 while the arm's engine application is RUNNING, else 0.", arm
@@ -319,6 +358,7 @@ class RouterMetrics:
         # The gauges' current values, set again by every refresh.
         self._revision = ""
         self._weights: dict[str, float] = {}
+        self._k: dict[str, list[tuple[str, int]]] = {}
         self._running: dict[str, bool] = {}
         self._drained: frozenset[str] = frozenset()
         self._in_flight = 0
@@ -330,8 +370,14 @@ class RouterMetrics:
 
     # -- gauges -----------------------------------------------------------------------------
 
-    def set_active_config(self, revision: str, weights: Mapping[str, float]) -> None:
-        self._revision, self._weights = revision, dict(weights)
+    def set_active_config(
+        self,
+        revision: str,
+        weights: Mapping[str, float],
+        k: Mapping[str, list[tuple[str, int]]] | None = None,
+    ) -> None:
+        """The active revision, each arm's weight and its k per range of batch sizes."""
+        self._revision, self._weights, self._k = revision, dict(weights), dict(k or {})
         self._running = {arm: self._running.get(arm, False) for arm in weights}
         self.refresh_gauges()
 
@@ -372,6 +418,9 @@ class RouterMetrics:
         self.arm_states_age.set(self._arm_states_age_s, {MODEL: self.model})
         for arm, weight in self._weights.items():
             self.arm_weight.set(weight, self._tags(arm))
+        for arm, ranges in self._k.items():
+            for sizes, k in ranges:
+                self.arm_speculative_tokens.set(k, self._tags(arm, **{BATCH_SIZES: sizes}))
         for arm, is_running in self._running.items():
             self.arm_running.set(1 if is_running else 0, self._tags(arm))
             self.arm_drained.set(1 if arm in self._drained else 0, self._tags(arm))
@@ -458,6 +507,9 @@ class RouterMetrics:
                 self.accepted_per_position.inc(
                     accepted, self._tags(arm, **{POSITION: str(position)})
                 )
+        for position, drafted in enumerate(drafted_per_position(stats)):
+            if drafted:
+                self.drafted_per_position.inc(drafted, self._tags(arm, **{POSITION: str(position)}))
 
 
 class CaptureMetrics:

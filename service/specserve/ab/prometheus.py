@@ -30,6 +30,7 @@ from specserve.metrics import (
     SELECTED_BY_STICKY,
     SELECTED_BY_WEIGHT,
     SPEC_ACCEPTED_PER_POSITION,
+    SPEC_DRAFTED_PER_POSITION,
     SPEC_DRAFTS,
     STAT,
 )
@@ -72,6 +73,7 @@ class ArmTotals:
     stats: dict[str, Moments] = field(default_factory=dict)
     drafts: float = 0.0
     accepted_per_position: list[float] = field(default_factory=list)
+    drafted_per_position: list[float] = field(default_factory=list)
 
 
 class Prometheus:
@@ -162,13 +164,15 @@ class Prometheus:
                     )
         for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
             arms[labels[ARM]].drafts = value
-        per_position = increase(
-            _name(SPEC_ACCEPTED_PER_POSITION) + "_total", by=f"{ARM},{POSITION}"
-        )
-        for labels, value in sorted(per_position, key=lambda r: int(r[0][POSITION])):
-            positions = arms[labels[ARM]].accepted_per_position
-            positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
-            positions[int(labels[POSITION])] = value
+        for metric, attribute in (
+            (SPEC_ACCEPTED_PER_POSITION, "accepted_per_position"),
+            (SPEC_DRAFTED_PER_POSITION, "drafted_per_position"),
+        ):
+            per_position = increase(_name(metric) + "_total", by=f"{ARM},{POSITION}")
+            for labels, value in sorted(per_position, key=lambda r: int(r[0][POSITION])):
+                positions = getattr(arms[labels[ARM]], attribute)
+                positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
+                positions[int(labels[POSITION])] = value
         return dict(arms)
 
     def counted_requests(self, arm: str, at: float) -> float:

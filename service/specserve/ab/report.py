@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specserve import k_schedule
 from specserve.ab.prometheus import ArmTotals, Prometheus, PrometheusError, parse_since
 from specserve.ab.sequential import Interval, Moments, difference
 from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
@@ -44,6 +45,9 @@ class Options:
     relative_tau: float = 0.1
     min_requests: int = 30
     draft_cost: float = 0.1
+    # `<arm>.json` round costs (bench.round_cost, `specserve tune`): with them the k advisor
+    # recommends a k schedule, as `specserve tune` derives it.
+    round_costs: Path | None = None
 
 
 def build_report(prom: Prometheus, options: Options, since: float | None, model: str | None):
@@ -91,6 +95,7 @@ def compare(
                 )
                 row[key]["difference"] = _interval(interval, theirs.value())
         row["suggested_k"] = suggest_k(arm, options.draft_cost)
+        row["suggested_schedule"] = suggest_schedule(name, arm, options.round_costs)
         row["speedup_by_load"] = speedup_by_load(
             speed.get(name, {}), speed.get(options.baseline, {}), load
         )
@@ -135,15 +140,26 @@ def traffic_share(arm: ArmTotals, total_weight: float, total: float) -> dict[str
     return {"expected": expected, "observed": observed, "mismatch": bool(off > SRM_Z)}
 
 
+def live_chain(arm: ArmTotals) -> list[float]:
+    """The chance a draft token at each position is accepted once drafted: accepted over
+    drafted at the position (under a k schedule not every draft reaches it), else, for data
+    without the drafted counter, over every draft (the same for a fixed k). Positions that
+    never accepted a token export no series: they count as 0."""
+    if any(arm.drafted_per_position):
+        return k_schedule.chain_from_counts(arm.accepted_per_position, arm.drafted_per_position)
+    if arm.drafts <= 0:
+        return []
+    return [accepted / arm.drafts for accepted in arm.accepted_per_position]
+
+
 def suggest_k(arm: ArmTotals, draft_cost: float) -> dict[str, Any] | None:
     """The k that maximizes expected tokens per verify step over its cost (1 + draft_cost * k:
     a target step plus drafting and verifying k tokens), from the measured acceptance at each
     position; k = 0 (no speculation) makes 1 token per step at cost 1. Positions beyond the
-    configured k were never drafted: if the last one still pays its cost, a larger k may too.
-    (Positions that never accepted a token export no series: they count as 0.)"""
+    configured k were never drafted: if the last one still pays its cost, a larger k may too."""
     if arm.drafts <= 0:
         return None
-    rates = [accepted / arm.drafts for accepted in arm.accepted_per_position]
+    rates = live_chain(arm)
     value = [(1 + sum(rates[:k])) / (1 + draft_cost * k) for k in range(len(rates) + 1)]
     best = max(range(len(value)), key=value.__getitem__)
     return {
@@ -152,6 +168,18 @@ def suggest_k(arm: ArmTotals, draft_cost: float) -> dict[str, Any] | None:
         "tokens_per_cost": value,
         "try_larger": best == len(rates) > 0 and value[-1] > value[-2],
     }
+
+
+def suggest_schedule(name: str, arm: ArmTotals, costs_dir: Path | None) -> dict[str, Any] | None:
+    """The k schedule `specserve tune` would write for this arm: its measured round costs
+    (`<costs_dir>/<arm>.json`) with its live acceptance; None without either."""
+    path = costs_dir / f"{name}.json" if costs_dir is not None else None
+    chain = live_chain(arm)
+    if path is None or not path.exists() or not chain:
+        return None
+    costs = k_schedule.RoundCosts.load(path)
+    schedule = k_schedule.derive(costs, chain[: costs.max_k])
+    return {"schedule": [list(r) for r in schedule], "text": k_schedule.describe(schedule)}
 
 
 def speedup_by_load(
@@ -245,6 +273,10 @@ def render(report: dict[str, Any]) -> str:
     for row in report["arms"]:
         if "reason" in row:
             lines.append(f"{row['arm']}: {row['verdict']}: {row['reason']}")
+    schedules = [r for r in report["arms"] if r.get("suggested_schedule")]
+    if schedules:
+        lines += ["", "k by load (from the round costs and the live acceptance per position):"]
+        lines += [f"  {r['arm']}: {r['suggested_schedule']['text']}" for r in schedules]
     bands = "  ".join(label for label, _ in LOAD_BANDS)
     lines += ["", f"speedup over {report['baseline']} by requests in flight ({bands}):"]
     for row in report["arms"][1:]:
@@ -299,6 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="cost of drafting and verifying one token, as a share of a target step (0.1)",
     )
+    parser.add_argument(
+        "--round-costs",
+        type=Path,
+        metavar="DIR",
+        help="round costs per arm (DIR/ARM.json, written by `specserve tune` or "
+        "`python -m specserve.bench.round_cost`): also recommend a k schedule per arm",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
 
@@ -308,7 +347,14 @@ def run(args: argparse.Namespace) -> int:
         print("error: need 0 < --alpha < 1, --tau > 0, --draft-cost >= 0", file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per query
-    options = Options(args.baseline, args.alpha, args.tau, args.min_requests, args.draft_cost)
+    options = Options(
+        args.baseline,
+        args.alpha,
+        args.tau,
+        args.min_requests,
+        args.draft_cost,
+        args.round_costs,
+    )
     prom = Prometheus(args.prometheus)
     try:
         # One start for every look: the intervals are valid over looks at one experiment (by

@@ -70,13 +70,21 @@ def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
     spec = arm.speculative
     if spec.method == "none":
         return None
-    config = spec.model_dump()
+    # Without a schedule the key stays out: vLLM's own default, and the Serve config of an arm
+    # that never had one unchanged (no redeploy).
+    config = spec.model_dump(exclude={"num_speculative_tokens_per_batch_size"})
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        config["num_speculative_tokens_per_batch_size"] = [
+            list(entry) for entry in spec.num_speculative_tokens_per_batch_size
+        ]
     if spec.method == "eagle3":
         config["model"] = resolve_drafter_source(spec.model)
     return config
 
 
-def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
+def engine_kwargs(arm: ArmEngineConfig, model: ModelConfig) -> dict[str, Any]:
+    """The vLLM engine arguments of an arm's engine, but the model (as `LLM(model, **these)`
+    takes them): what its replicas run, and what `bench.round_cost` measures."""
     engine_kwargs: dict[str, Any] = {**ENGINE_DEFAULTS, **arm.engine}
     spec = speculative_config(arm)
     if spec is None:
@@ -84,16 +92,26 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
         engine_kwargs.pop("per_request_spec_decode_metrics", None)
     else:
         engine_kwargs["speculative_config"] = spec
+        if "num_speculative_tokens_per_batch_size" in spec and (
+            "per_request_spec_decode_metrics" not in arm.engine
+        ):
+            # Each verify step's draft length, so acceptance per position is counted over the
+            # drafts that reached it when k varies (metrics.py).
+            engine_kwargs["per_request_spec_decode_metrics"] = "detailed"
     if model.max_model_len is not None:
         engine_kwargs["max_model_len"] = model.max_model_len
     if model.accelerator == "cpu":  # bf16 only where the CPU has bf16 instructions
         engine_kwargs.setdefault("dtype", fast_dtype())
+    return engine_kwargs
+
+
+def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
     return LLMConfig(
         model_loading_config={
             "model_id": model.name,
             "model_source": resolve_model_source(model.source),
         },
-        engine_kwargs=engine_kwargs,
+        engine_kwargs=engine_kwargs(arm, model),
         runtime_env={"env_vars": {**arm.env, ARM_NAME_ENV: arm.name}},
         accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
         placement_group_config=placement_group_config(model),

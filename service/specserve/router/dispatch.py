@@ -309,7 +309,9 @@ class DispatchState:
         assert self.metrics is not None and self.guard is not None
         self.loaded = loaded
         self.metrics.model = loaded.config.model.name
-        self.metrics.set_active_config(loaded.revision, loaded.config.weights)
+        self.metrics.set_active_config(
+            loaded.revision, loaded.config.weights, loaded.config.k_by_arm
+        )
         self.guard.reconfigure(loaded.config.guardrail)
 
     async def _watch_config(self) -> None:

@@ -1,0 +1,202 @@
+"""k by load: the number of draft tokens that pays at each batch size, derived from measurements.
+
+A schedule is vLLM's `speculative_config.num_speculative_tokens_per_batch_size`: inclusive
+batch-size ranges `(first, last, k)`, the first starting at 1, `k = 0` where drafting does not
+pay. vLLM's scheduler looks up the k of each step by the number of requests in it and the
+proposer drafts that many (with k = 0 an EAGLE drafter still runs its first pass, to keep its
+KV cache in step, but proposes nothing and nothing is verified).
+
+What pays follows from two measurements:
+- `RoundCosts`: milliseconds per engine step (a round: one target forward over every request in
+  flight, one draft each and its verification) per batch size and k, measured on the arm's own
+  engine settings (`specserve.bench.round_cost`);
+- the acceptance at each draft position, live from Prometheus: `chain[p]`, the chance that the
+  draft token at position p is accepted once drafted (every token before it accepted too).
+
+A round at k then yields `1 + chain[0] + ... + chain[k-1]` tokens per request on average, and
+each request gains that many tokens per round time: per-user tokens/s at batch size b is
+`tokens(k) / cost(b, k)`. `derive` takes the k that maximises it at every measured batch size
+and spreads each choice to the batch sizes nearest it (geometric midpoints between measured
+sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+Range = tuple[int, int, int]  # (first batch size, last batch size, k), inclusive
+
+
+def problem(schedule: Sequence[Sequence[int]], max_k: int) -> str | None:
+    """What is wrong with `schedule` for an arm with `num_speculative_tokens` = max_k, as
+    vLLM's own validation would refuse it (and one thing it would silently clamp), or None."""
+    if not schedule:
+        return "must list at least one (first, last, k) range"
+    last_end = 0
+    for entry in schedule:
+        if len(entry) != 3:
+            return f"{list(entry)}: each range is [first batch size, last batch size, k]"
+        first, last, k = entry
+        if first < 1 or last < first:
+            return f"{list(entry)}: batch sizes must be positive and first <= last"
+        if first != last_end + 1:
+            return (
+                f"{list(entry)}: ranges must follow each other without gap or overlap, "
+                f"the first starting at 1 (expected first = {last_end + 1})"
+            )
+        if not 0 <= k <= max_k:
+            # vLLM clamps a larger k to num_speculative_tokens: say so instead of hiding it.
+            return f"{list(entry)}: k must be between 0 and num_speculative_tokens ({max_k})"
+        last_end = last
+    return None
+
+
+def k_at(schedule: Sequence[Sequence[int]], batch_size: int) -> int:
+    """The k a schedule gives a batch size (the last range's beyond its end, as vLLM does)."""
+    for first, last, k in schedule:
+        if first <= batch_size <= last:
+            return k
+    return schedule[-1][2]
+
+
+def describe(schedule: Sequence[Sequence[int]] | None, fixed_k: int | None = None) -> str:
+    """`1-4: k=3, 5-16: k=1, 17+: k=0` (the last range open: vLLM carries its k on)."""
+    if not schedule:
+        return f"k={fixed_k}" if fixed_k is not None else "-"
+    parts = []
+    for i, (first, last, k) in enumerate(schedule):
+        sizes = f"{first}+" if i == len(schedule) - 1 else f"{first}" if first == last else None
+        parts.append(f"{sizes or f'{first}-{last}'}: k={k}")
+    return ", ".join(parts)
+
+
+def range_label(first: int, last: int, is_last: bool) -> str:
+    """A range's label value in metrics (`1-4`, `17+`)."""
+    return f"{first}+" if is_last else f"{first}-{last}"
+
+
+def ranges_of(speculative: Any) -> list[tuple[str, int]]:
+    """An arm's `speculative` section as (batch sizes label, k) pairs: its schedule's ranges,
+    else `1+` with its fixed k (0 without speculation)."""
+    schedule = getattr(speculative, "num_speculative_tokens_per_batch_size", None)
+    if schedule:
+        return [
+            (range_label(first, last, i == len(schedule) - 1), k)
+            for i, (first, last, k) in enumerate(schedule)
+        ]
+    return [("1+", int(getattr(speculative, "num_speculative_tokens", 0)))]
+
+
+def expected_tokens(chain: Sequence[float], k: int) -> float:
+    """Tokens a request gains in one round at k: the bonus token plus each accepted draft."""
+    return 1.0 + sum(chain[:k])
+
+
+@dataclass
+class RoundCosts:
+    """Median milliseconds per engine step, by batch size and k, of one arm's engine."""
+
+    arm: str
+    max_k: int
+    ms: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> k -> ms
+    machine: str = ""
+    measured_at: str = ""
+    # Acceptance once drafted per position on the bench's own prompts at k = max_k: what
+    # `specserve tune` falls back on for an arm without live traffic.
+    bench_chain: list[float] = field(default_factory=list)
+
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.ms)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ms"] = {str(b): {str(k): v for k, v in ks.items()} for b, ks in self.ms.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoundCosts:
+        ms = {int(b): {int(k): float(v) for k, v in ks.items()} for b, ks in data["ms"].items()}
+        return cls(
+            data["arm"],
+            int(data["max_k"]),
+            ms,
+            data.get("machine", ""),
+            data.get("measured_at", ""),
+        )
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> RoundCosts:
+        return cls.from_json(json.loads(path.read_text()))
+
+
+@dataclass
+class Choice:
+    """The best k at one measured batch size, and per-user tokens per second at every k."""
+
+    batch_size: int
+    k: int
+    tokens_per_s: dict[int, float]
+
+    def gain(self) -> float:
+        """Per-user tokens/s at the chosen k over k = 0 (drafting nothing)."""
+        return self.tokens_per_s[self.k] / self.tokens_per_s[0] if 0 in self.tokens_per_s else 1.0
+
+
+def choices(costs: RoundCosts, chain: Sequence[float]) -> list[Choice]:
+    """At each measured batch size, the k (up to what the chain and costs cover) with the most
+    per-user tokens per second. Ties go to the smaller k (less work for the same speed)."""
+    found = []
+    for b in costs.batch_sizes():
+        per_k = {
+            k: 1000.0 * expected_tokens(chain, k) / ms
+            for k, ms in sorted(costs.ms[b].items())
+            if k <= len(chain) and ms > 0
+        }
+        if not per_k:
+            continue
+        best = max(per_k, key=lambda k: (round(per_k[k], 9), -k))
+        found.append(Choice(b, best, per_k))
+    return found
+
+
+def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
+    """The schedule: each measured batch size's best k, over the sizes nearer to it than to its
+    measured neighbours (split at their geometric mean), the last range ending at the largest
+    measured size (vLLM carries its k on beyond); neighbouring ranges with the same k merged."""
+    picked = choices(costs, chain)
+    max_batch = max(costs.batch_sizes(), default=1)
+    if not picked:
+        raise ValueError(f"{costs.arm}: no round costs to derive a schedule from")
+    ranges: list[Range] = []
+    first = 1
+    for i, choice in enumerate(picked):
+        if i + 1 < len(picked):
+            split = math.floor(math.sqrt(choice.batch_size * picked[i + 1].batch_size))
+            last = min(max(split, choice.batch_size, first), max_batch)
+        else:
+            last = max_batch
+        if first > max_batch:
+            break
+        if ranges and ranges[-1][2] == choice.k:
+            ranges[-1] = (ranges[-1][0], last, choice.k)
+        else:
+            ranges.append((first, last, choice.k))
+        first = last + 1
+    return ranges
+
+
+def chain_from_counts(accepted: Sequence[float], drafted: Sequence[float]) -> list[float]:
+    """Acceptance per position from counters: accepted tokens at position p over draft tokens
+    proposed at p (0 where none were proposed)."""
+    padded = list(accepted) + [0.0] * max(0, len(drafted) - len(accepted))
+    return [a / d if d > 0 else 0.0 for a, d in zip(padded, drafted, strict=False)]

@@ -1,0 +1,188 @@
+"""`specserve tune`: k by load for every drafting arm, from the platform's own measurements,
+written as one config revision.
+
+    specserve tune --local --prometheus http://127.0.0.1:9090   # measure, derive, apply
+    specserve tune --local --dry-run                            # show the schedules only
+    specserve config history --local                            # the tuned revision is there
+    specserve config rollback --local                           # and this undoes it
+
+For each arm that drafts (n-gram or EAGLE):
+1. its round costs, milliseconds per engine step by batch size and k (`bench.round_cost`: the
+   arm's own engine settings in a process of their own), or those of an earlier run (`--costs
+   DIR`); on Kubernetes measure them on a node of the arm's kind and pass them with `--costs`;
+2. its acceptance per draft position, accepted once drafted, from Prometheus since the active
+   config revision (what `ab report` reads; `--since` to choose), else, for an arm without live
+   drafts, from the bench prompts of step 1 (the report says which);
+3. the schedule that maximises per-user tokens/s at each batch size (k_schedule.derive), k = 0
+   where drafting loses;
+4. all arms' schedules in one new revision of the live config (`num_speculative_tokens_per_
+   batch_size` under each arm's `speculative`), which redeploys the arms whose schedule changed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specserve import k_schedule
+from specserve.config import RouterConfig, parse_config
+
+LIVE, BENCH = "live traffic", "bench prompts"
+
+
+@dataclass
+class ArmTuning:
+    arm: str
+    costs: k_schedule.RoundCosts
+    chain: list[float]
+    acceptance_from: str  # LIVE or BENCH
+    drafts: float  # live drafts the chain rests on (0 for BENCH)
+    before: list[list[int]] | None  # the schedule in force, None for a fixed k
+    schedule: list[k_schedule.Range] = field(default_factory=list)
+    choices: list[k_schedule.Choice] = field(default_factory=list)
+
+
+def drafting_arms(config: RouterConfig, wanted: list[str] | None) -> list[str]:
+    drafting = [a.name for a in config.arms if a.speculative.method != "none"]
+    if wanted:
+        unknown = sorted(set(wanted) - set(drafting))
+        if unknown:
+            raise ValueError(
+                f"not drafting arms of the live config: {', '.join(unknown)} "
+                f"(drafting arms: {', '.join(drafting) or 'none'})"
+            )
+        return [name for name in drafting if name in wanted]
+    return drafting
+
+
+def round_costs(
+    config_text: str,
+    arms: list[str],
+    *,
+    costs_dir: Path | None,
+    out: Path,
+    batch_sizes: list[int],
+    repeats: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, k_schedule.RoundCosts]:
+    """Each arm's costs: `costs_dir/<arm>.json` when there, else measured now (and saved
+    under `out`)."""
+    from specserve.bench import round_cost
+
+    found: dict[str, k_schedule.RoundCosts] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "live.yaml"
+        config_path.write_text(config_text)
+        for arm in arms:
+            saved = costs_dir / f"{arm}.json" if costs_dir is not None else None
+            if saved is not None and saved.exists():
+                found[arm] = k_schedule.RoundCosts.load(saved)
+                log(f"{arm}: round costs from {saved} ({found[arm].machine})")
+                continue
+            started = time.monotonic()
+            log(f"{arm}: measuring round costs at batch sizes {batch_sizes} ...")
+            found[arm] = round_cost.measure(arm, config_path, batch_sizes, repeats=repeats)
+            path = found[arm].save(out / f"{arm}.json")
+            log(f"{arm}: measured in {time.monotonic() - started:.0f} s -> {path}")
+    return found
+
+
+def live_acceptance(prometheus_url: str | None, since: str | None) -> dict[str, Any]:
+    """Per arm, the ArmTotals since the active revision's start (or `since`); {} without a
+    Prometheus."""
+    if not prometheus_url:
+        return {}
+    from specserve.ab.prometheus import Prometheus, parse_since
+
+    prom = Prometheus(prometheus_url)
+    now = time.time()
+    model = prom.model()
+    start = parse_since(since, now) if since else prom.revision_start(model, now)[1]
+    return prom.totals(model, start, now)
+
+
+def plan(
+    config: RouterConfig,
+    costs: dict[str, k_schedule.RoundCosts],
+    totals: dict[str, Any],
+    min_drafts: int,
+) -> list[ArmTuning]:
+    from specserve.ab.report import live_chain
+
+    tunings = []
+    for name, arm_costs in costs.items():
+        arm = config.arm(name)
+        assert arm is not None
+        spec = arm.speculative
+        live = totals.get(name)
+        chain = live_chain(live) if live is not None else []
+        drafts = live.drafts if live is not None else 0.0
+        if chain and drafts >= min_drafts:
+            source = LIVE
+        else:
+            chain, source, drafts = list(arm_costs.bench_chain), BENCH, 0.0
+        chain = chain[: arm_costs.max_k]
+        before = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        tuning = ArmTuning(
+            name, arm_costs, chain, source, drafts, [list(r) for r in before] if before else None
+        )
+        tuning.choices = k_schedule.choices(arm_costs, chain)
+        tuning.schedule = k_schedule.derive(arm_costs, chain)
+        tunings.append(tuning)
+    return tunings
+
+
+class _Range(list):
+    """A schedule entry, written on one line: `[1, 4, 1]`."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(
+    _Range, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, True)
+)
+
+
+def tuned_text(live: str, schedules: dict[str, list[k_schedule.Range]]) -> tuple[str, RouterConfig]:
+    """The live config with each named arm's schedule set; -> its text and validated config.
+    (Written from the parsed document, as the loop writes its revisions: comments go.)"""
+    document = yaml.safe_load(live)
+    for arm in document["arms"]:
+        if arm["name"] in schedules:
+            schedule = [_Range(entry) for entry in schedules[arm["name"]]]
+            arm["speculative"]["num_speculative_tokens_per_batch_size"] = schedule
+    text = yaml.dump(document, Dumper=_Dumper, sort_keys=False)
+    return text, parse_config(text.encode(), source="the tuned config")
+
+
+def render(tunings: list[ArmTuning]) -> str:
+    lines = []
+    for t in tunings:
+        drafts = f", {t.drafts:.0f} drafts" if t.acceptance_from == LIVE else ""
+        chain = "/".join(f"{x:.2f}" for x in t.chain)
+        lines.append(
+            f"{t.arm}: acceptance once drafted by position {chain} (from {t.acceptance_from}"
+            f"{drafts}); round costs on {t.costs.machine or 'this machine'}"
+        )
+        ks = range(t.costs.max_k + 1)
+        lines.append(
+            "  batch size  "
+            + "  ".join(f"k={k} tok/s".rjust(11) for k in ks)
+            + "  best  gain over k=0"
+        )
+        for c in t.choices:
+            cells = "  ".join(f"{c.tokens_per_s.get(k, float('nan')):11.1f}" for k in ks)
+            lines.append(f"  {c.batch_size:>10}  {cells}  {c.k:>4}  {c.gain():.2f}x")
+        lines.append(
+            f"  schedule: {k_schedule.describe(t.schedule)}   (was: "
+            f"{k_schedule.describe(t.before, t.costs.max_k)})"
+        )
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana.promql import (
     ARM_RUNNING,
     ARM_SELECTIONS,
+    ARM_SPECULATIVE_TOKENS,
     ARM_WEIGHT,
     ARMS,
     BY_WEIGHT,
@@ -203,6 +204,29 @@ def speculation_panels() -> list[PanelBuilder]:
             [(position, "{{arm}} position {{position}}")],
             unit="percentunit",
             width=8,
+        ),
+        graph(
+            "k in force (configured)",
+            "Draft tokens per step (num_speculative_tokens) each arm's config gives it, per "
+            "range of batch sizes (requests in one engine step): a k schedule (`specserve "
+            "tune`) has one line per range, a fixed k one line `1+`, no speculation 0.",
+            [
+                (
+                    gauge_max(ARM_SPECULATIVE_TOKENS, by=f"{PER_ARM}, {metrics.BATCH_SIZES}"),
+                    "{{arm}} batch {{batch_sizes}}",
+                )
+            ],
+            unit="suffix: tokens",
+            width=12,
+        ),
+        graph(
+            "k in force (drafted)",
+            "Draft tokens proposed per draft, per arm: the k the engines actually used, "
+            "averaged over the rate interval. Under a k schedule it falls as load grows; steps "
+            "at k = 0 propose no draft and do not count.",
+            [(f"{rate_sum(SPEC_DRAFT_TOKENS)}\n/ {rate_sum(SPEC_DRAFTS)}", PER_ARM_LEGEND)],
+            unit="suffix: tokens",
+            width=12,
         ),
     ]
 

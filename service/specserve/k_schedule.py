@@ -127,6 +127,7 @@ class RoundCosts:
             ms,
             data.get("machine", ""),
             data.get("measured_at", ""),
+            [float(x) for x in data.get("bench_chain", [])],
         )
 
     def save(self, path: Path) -> Path:

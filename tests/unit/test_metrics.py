@@ -41,14 +41,14 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
 
 
 OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
-OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, "le"}
+OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, m.BATCH_SIZES, "le"}
 
 
 @pytest.mark.own_cluster
 def test_router_metrics_as_ray_exports_them(exporter):
     metrics = m.RouterMetrics("m1")
     metrics.set_active_config("rev1", {"a": 1, "b": 3})
-    metrics.set_active_config("rev2", {"a": 2})  # b removed
+    metrics.set_active_config("rev2", {"a": 2}, {"a": [("1-4", 3), ("5+", 0)]})  # b removed
     metrics.set_running({"a": True})
     metrics.count_reload(m.RELOAD_INVALID)
     metrics.count_selection("a", m.SELECTED_BY_STICKY, fallback_from="b")
@@ -96,6 +96,12 @@ def test_router_metrics_as_ray_exports_them(exporter):
         value(m.SPEC_ACCEPTED_PER_POSITION + "_total", arm="a", position=str(p)) for p in range(3)
     ]
     assert positions == [3, 3, 2]
+    drafted = [
+        value(m.SPEC_DRAFTED_PER_POSITION + "_total", arm="a", position=str(p)) for p in range(3)
+    ]
+    assert drafted == [4, 4, 4]  # 12 draft tokens in 4 steps: k = 3 every step
+    assert value(m.ARM_SPECULATIVE_TOKENS, arm="a", batch_sizes="1-4") == 3
+    assert value(m.ARM_SPECULATIVE_TOKENS, arm="a", batch_sizes="5+") == 0
     assert value(m.OUTPUT_TOKENS + "_total", arm="a") == 7
     assert value(m.REQUESTS + "_total", arm="a", endpoint="chat", outcome="ok") == 1
     assert value(m.ARM_SELECTIONS + "_total", arm="a", selected_by="sticky") == 1

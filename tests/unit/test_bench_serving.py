@@ -51,6 +51,16 @@ def test_acceptance_between_two_reads_of_the_counters():
     assert acceptance_between(before, after, "no-spec") == {}
 
 
+def test_the_k_in_force_counts_every_step_drafting_or_not():
+    # 100 steps drafted 3 tokens and accepted 100 in all; 50 more steps drafted nothing (k = 0
+    # under load): 250 tokens in 150 steps, 300 draft tokens -> 2 draft tokens per step.
+    before = {"e": {"drafts": 0, "accepted": 0, "draft_tokens": 0, "output_tokens": 0}}
+    after = {"e": {"drafts": 100, "accepted": 100, "draft_tokens": 300, "output_tokens": 250}}
+    assert acceptance_between(before, after, "e")["k_in_force"] == 2.0
+    plain = {"no-spec": {"output_tokens": 80}}
+    assert acceptance_between({}, plain, "no-spec") == {"k_in_force": 0.0}
+
+
 def test_summary_rows_and_comparison():
     base = Cell(
         "no-spec",

@@ -34,9 +34,11 @@ from specserve.bootstrap import paired_interval
 from specserve.metrics import (
     ARM,
     EXPORT_PREFIX,
+    OUTPUT_TOKENS,
     POSITION,
     SPEC_ACCEPTED_PER_POSITION,
     SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
     SPEC_DRAFTS,
     scrape,
 )
@@ -128,11 +130,14 @@ def discover(url: str) -> tuple[str, list[str]]:
 
 
 def read_acceptance(metrics_url: str | None) -> dict[str, dict[str, float]]:
-    """Per arm: verify steps, accepted draft tokens and accepted tokens per draft position."""
+    """Per arm: verify steps, draft and accepted tokens, accepted tokens per draft position and
+    output tokens."""
     if metrics_url is None:
         return {}
     wanted = {
         EXPORT_PREFIX + SPEC_DRAFTS + "_total": "drafts",
+        EXPORT_PREFIX + SPEC_DRAFT_TOKENS + "_total": "draft_tokens",
+        EXPORT_PREFIX + OUTPUT_TOKENS + "_total": "output_tokens",
         EXPORT_PREFIX + SPEC_ACCEPTED_TOKENS + "_total": "accepted",
         EXPORT_PREFIX + SPEC_ACCEPTED_PER_POSITION + "_total": "position",
     }
@@ -150,11 +155,16 @@ def read_acceptance(metrics_url: str | None) -> dict[str, dict[str, float]]:
 def acceptance_between(before: dict, after: dict, arm: str) -> dict[str, Any]:
     a, b = after.get(arm, {}), before.get(arm, {})
     drafts = a.get("drafts", 0.0) - b.get("drafts", 0.0)
-    if drafts <= 0:
-        return {}
     accepted = a.get("accepted", 0.0) - b.get("accepted", 0.0)
+    # Every engine step of a request yields one token plus the drafts it accepted; steps at
+    # k = 0 (a k schedule under load) draft nothing. Draft tokens per step: the k in force.
+    steps = a.get("output_tokens", 0.0) - b.get("output_tokens", 0.0) - accepted
+    draft_tokens = a.get("draft_tokens", 0.0) - b.get("draft_tokens", 0.0)
+    found: dict[str, Any] = {"k_in_force": draft_tokens / steps} if steps > 0 else {}
+    if drafts <= 0:
+        return found
     positions = sorted(k for k in a if k.startswith("position_"))
-    return {
+    return found | {
         "mean_acceptance_length": 1 + accepted / drafts,
         "accepted_per_position": [
             (a[k] - b.get(k, 0.0)) / drafts for k in sorted(positions, key=lambda k: int(k[9:]))
@@ -292,8 +302,8 @@ def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[st
 def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
     lines = [
         f"| arm | users | tok/s per user (mean / p50) | speedup vs {baseline} (95% CI) "
-        "| TTFT p50 | TPOT p50 | latency p50 | acceptance length | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| TTFT p50 | TPOT p50 | latency p50 | acceptance length | k in force | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         speedup = (
@@ -302,11 +312,13 @@ def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
             else "-"
         )
         acc = r.get("mean_acceptance_length")
+        k = r.get("k_in_force", math.nan)
         lines.append(
             f"| {r['arm']} | {r['concurrency']} | {r['tokens_per_s_mean']:.1f} / "
             f"{r['tokens_per_s_p50']:.1f} | {speedup} | {r['ttft_ms_p50']:.0f} ms "
             f"| {r['tpot_ms_p50']:.1f} ms | {r['latency_ms_p50']:.0f} ms "
-            f"| {f'{acc:.2f}' if acc else '-'} | {r['failed']} |"
+            f"| {f'{acc:.2f}' if acc else '-'} | {'-' if math.isnan(k) else f'{k:.2f}'} "
+            f"| {r['failed']} |"
         )
     return "\n".join(lines)
 

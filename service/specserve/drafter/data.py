@@ -166,9 +166,13 @@ def capture_features(
     *,
     max_len: int = 3072,
     threads: int | None = None,
+    part: tuple[int, int] | None = None,
 ) -> list[Path]:
     """Write shards of {input_ids, aux, final, answer_start} per answered conversation, with
-    `threads` CPU threads (default: every core).
+    `threads` CPU threads (default: every core), on the GPU where there is one. With `part`
+    (rank, world size) this process computes only every world-th missing shard: the ranks of
+    a job split the work and each returns every shard's path (wait on the others before
+    reading them).
 
     A shard's name carries a digest of its conversations and layers: it is reused only for
     exactly those, and stale shards go. Shard boundaries follow content (`shard_groups`), so
@@ -190,7 +194,9 @@ def capture_features(
         return list(_ids(full)), len(list(_ids(prompt)))
 
     groups = shard_groups([row for row in rows if answered(row)])
-    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads)
+    return _write_shards(
+        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part
+    )
 
 
 def capture_token_features(
@@ -201,17 +207,20 @@ def capture_token_features(
     *,
     max_len: int = 3072,
     threads: int | None = None,
+    part: tuple[int, int] | None = None,
 ) -> list[Path]:
     """`capture_features` for sequences already in token ids, as the serving engine saw them
     (captured traffic: `prompt_token_ids`, `output_token_ids`, `kind`): the same shards, with
-    `threads` CPU threads (default: every core)."""
+    `threads` CPU threads (default: every core), split between ranks by `part`."""
 
     def token_ids(row: dict) -> tuple[list[int], int]:
         prompt = list(row["prompt_token_ids"])
         return prompt + list(row["output_token_ids"]), len(prompt)
 
     groups = shard_groups(rows, key=lambda row: [row["prompt_token_ids"], row["output_token_ids"]])
-    return _write_shards(groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads)
+    return _write_shards(
+        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part
+    )
 
 
 def _write_shards(
@@ -222,56 +231,96 @@ def _write_shards(
     max_len: int,
     token_ids: Callable[[dict], tuple[list[int], int]],
     threads: int | None = None,
+    part: tuple[int, int] | None = None,
 ) -> list[Path]:
-    """The shards of `groups` (missing ones computed, stale ones deleted); `token_ids` gives a
-    row's whole sequence and where its answer starts."""
+    """The shards of `groups` (missing ones computed, stale ones deleted by rank 0); `token_ids`
+    gives a row's whole sequence and where its answer starts."""
+    rank, world = part or (0, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [shard_path(group, out_dir, aux_layer_ids, max_len) for group in groups]
-    for stale in set(out_dir.glob("shard-*.pt")) - set(shards):
-        stale.unlink()
-    todo = [i for i, path in enumerate(shards) if not path.exists()]
+    if rank == 0:
+        for stale in set(out_dir.glob("shard-*.pt")) - set(shards):
+            stale.unlink(missing_ok=True)
+    # By position in the whole list, not among the missing: every rank deals the same hand
+    # whatever the others have written meanwhile.
+    todo = [i for i, path in enumerate(shards) if i % world == rank and not path.exists()]
     if not todo:
         return shards
     model = _feature_model(model_dir, threads)
     for index in tqdm(todo, desc="capturing hidden states"):
+        sequences = [(row, *token_ids(row)) for row in groups[index]]
+        sequences = [(row, full[:max_len], start) for row, full, start in sequences]
         records = []
-        for row in tqdm(groups[index], leave=False):
-            full, answer_start = token_ids(row)
-            record = _features(model, full[:max_len], answer_start, aux_layer_ids)
+        for row, record in zip(
+            [row for row, _, _ in sequences],
+            features_batched(model, [(f, s) for _, f, s in sequences], aux_layer_ids),
+            strict=True,
+        ):
             if record is not None:
                 records.append({**record, "kind": row.get("kind", "captured")})
         path = shards[index]
-        torch.save(records, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
+        tmp = path.with_suffix(f".tmp{rank}")
+        torch.save(records, tmp)
+        tmp.rename(path)
     return shards
 
 
-def _feature_model(model_dir: str, threads: int | None = None):
+# Padded tokens per forward pass of the target when capturing hidden states (B x longest):
+# on a GPU large batches keep it busy; on a CPU the forward is compute-bound at any size.
+FEATURE_BATCH_TOKENS = {"cuda": 32768, "cpu": 4096}
+
+
+def _feature_model(model_dir: str, threads: int | None = None, device: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
-    dtype = getattr(torch, fast_dtype())
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    dtype = torch.bfloat16 if device == "cuda" else getattr(torch, fast_dtype())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return model.to(device)
 
 
-def _features(
-    model, full_ids: list[int], answer_start: int, aux_layer_ids: tuple[int, ...]
-) -> dict | None:
-    """One sequence's record: the inputs of the aux layers and the final (post-norm) state at
-    every position; None when too little of the answer is left to learn from."""
-    if answer_start >= len(full_ids) - 4:
-        return None
-    ids = torch.tensor(full_ids)[None]
-    with torch.inference_mode():
-        output = model.model(ids, output_hidden_states=True)
-    hidden = output.hidden_states  # hidden[i]: the input of layer i
-    aux = torch.cat([hidden[i][0] for i in aux_layer_ids], dim=-1)  # (T, 3H)
-    return {
-        "input_ids": ids[0].to(torch.int32),
-        "aux": aux.to(torch.bfloat16),
-        "final": output.last_hidden_state[0].to(torch.bfloat16),  # (T, H)
-        "answer_start": answer_start,
-    }
+def features_batched(
+    model,
+    sequences: list[tuple[list[int], int]],
+    aux_layer_ids: tuple[int, ...],
+    batch_tokens: int | None = None,
+) -> list[dict | None]:
+    """`_features` of each (token ids, answer start), in order, computed in forwards of at most
+    `batch_tokens` padded tokens (sequences sorted by length, padded on the right, where causal
+    attention never reaches back from a real position). Records come back on the CPU."""
+    from specserve.drafter.train import plan_forwards
+
+    device = next(model.parameters()).device
+    budget = batch_tokens or FEATURE_BATCH_TOKENS.get(device.type, 4096)
+    results: list[dict | None] = [None] * len(sequences)
+    wanted = [i for i, (ids, start) in enumerate(sequences) if start < len(ids) - 4]
+    for group in plan_forwards([len(sequences[i][0]) for i in wanted], budget):
+        members = [wanted[j] for j in group]
+        longest = max(len(sequences[i][0]) for i in members)
+        ids = torch.zeros(len(members), longest, dtype=torch.long)
+        mask = torch.zeros(len(members), longest, dtype=torch.long)
+        for b, i in enumerate(members):
+            n = len(sequences[i][0])
+            ids[b, :n] = torch.tensor(sequences[i][0])
+            mask[b, :n] = 1
+        with torch.inference_mode():
+            output = model.model(
+                ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
+            )
+        hidden = output.hidden_states  # hidden[l]: the input of layer l, (B, T, H)
+        aux = torch.cat([hidden[layer] for layer in aux_layer_ids], dim=-1).to(torch.bfloat16)
+        final = output.last_hidden_state.to(torch.bfloat16)
+        aux, final = aux.cpu(), final.cpu()
+        for b, i in enumerate(members):
+            n = len(sequences[i][0])
+            results[i] = {
+                "input_ids": ids[b, :n].to(torch.int32),
+                "aux": aux[b, :n].clone(),
+                "final": final[b, :n].clone(),
+                "answer_start": sequences[i][1],
+            }
+    return results
 
 
 def shard_groups(

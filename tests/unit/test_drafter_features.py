@@ -1,0 +1,69 @@
+"""The target's hidden states, captured in padded batches, are those of each sequence alone."""
+
+import pytest
+import torch
+
+from specserve.drafter.data import features_batched
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_batched_hidden_states_are_those_of_each_sequence_alone(tiny_target):
+    g = torch.Generator().manual_seed(1)
+    sequences = []
+    for length in (40, 9, 25, 60, 6, 33):
+        ids = torch.randint(0, 64, (length,), generator=g).tolist()
+        sequences.append((ids, length // 2))
+    layers = (1, 3, 4)
+    together = features_batched(tiny_target, sequences, layers, batch_tokens=200)
+    alone = [features_batched(tiny_target, [s], layers, batch_tokens=1)[0] for s in sequences]
+    assert together[4] is None and alone[4] is None  # too little answer to learn from
+    for a, b, (ids, start) in zip(together, alone, sequences, strict=True):
+        if a is None:
+            continue
+        assert a["input_ids"].tolist() == ids and a["answer_start"] == start
+        assert a["aux"].shape == (len(ids), 3 * 32) and a["final"].shape == (len(ids), 32)
+        torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(a["final"].float(), b["final"].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_ranks_split_the_missing_shards_and_each_returns_every_path(tiny_target, tmp_path):
+    from specserve.drafter import data
+
+    target = tmp_path / "target"
+    tiny_target.save_pretrained(target)
+    g = torch.Generator().manual_seed(2)
+    rows = [
+        {
+            "prompt_token_ids": torch.randint(0, 64, (12,), generator=g).tolist(),
+            "output_token_ids": torch.randint(0, 64, (10,), generator=g).tolist(),
+        }
+        for _ in range(600)  # several shards (about 256 rows each)
+    ]
+    out, layers = tmp_path / "shards", (1, 3, 4)
+    first = data.capture_token_features(rows, str(target), out, layers, threads=1, part=(0, 2))
+    written = {p for p in first if p.exists()}
+    assert written and written == {p for i, p in enumerate(first) if i % 2 == 0}
+    second = data.capture_token_features(rows, str(target), out, layers, threads=1, part=(1, 2))
+    assert second == first and all(p.exists() for p in first)
+    alone = data.capture_token_features(rows, str(target), tmp_path / "alone", layers, threads=1)
+    assert [p.name for p in alone] == [p.name for p in first]
+    records = torch.load(first[-1], weights_only=False)
+    same = torch.load(alone[-1], weights_only=False)
+    assert [r["input_ids"].tolist() for r in records] == [r["input_ids"].tolist() for r in same]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -180,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens to evaluate"
     )
     build_p.add_argument("--ship", action="store_true", help="copy the exports to package data")
+    build_p.add_argument(
+        "--budget",
+        metavar="DEVICE-MINUTESmin",
+        help="the whole build within a time budget with torch alone (e.g. gpu-10min): "
+        "answers, hidden states, both drafters with up to --updates (15000), scores beside the "
+        "shipped pair; with --ship only a drafter better on every held-out set is shipped",
+    )
     drafter_sub.add_parser(
         "adapt",
         parents=[adapt_args],
@@ -628,12 +636,56 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget_build(args: argparse.Namespace, target: str) -> int:
+    """`drafter build --budget gpu-10min`: the torch-only build within a time budget."""
+    import torch
+
+    from specserve.drafter import budget
+    from specserve.settings import get_settings
+
+    try:
+        device, minutes = budget.parse_budget(args.budget)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if device == "cuda" and not torch.cuda.is_available():
+        print(
+            "error: no GPU here: --budget cpu-MINUTESmin runs the same path on the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    work = args.work_dir or get_settings().cache_dir / f"drafters-{args.budget}"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.jsonl"
+    if not prompts.exists():
+        budget.write_prompts(prompts, args.prompts)
+    updates = args.updates or budget.LONG_BUDGET_UPDATES
+    report = budget.run(
+        target, prompts, work, minutes=minutes, device=torch.device(device), updates=updates
+    )
+    print(budget.markdown(report))
+    better = report["better_than_compared"] or {}
+    if args.ship:
+        from specserve.models import PACKAGED_DRAFTERS_DIR
+
+        for name, is_better in better.items():
+            if is_better:
+                shutil.rmtree(PACKAGED_DRAFTERS_DIR / name, ignore_errors=True)
+                shutil.copytree(report["exports"][name], PACKAGED_DRAFTERS_DIR / name)
+                print(f"shipped {name}: better than the shipped one on every held-out set")
+            else:
+                print(f"kept the shipped {name}: the new one is not better on every set")
+    return 0
+
+
 def _drafter(args: argparse.Namespace) -> int:
     from specserve.drafter.evaluate import evaluate, markdown_table, write_report
     from specserve.models import prepare_model
     from specserve.settings import get_settings
 
     target = prepare_model(load_config(get_settings().config).config.model.source)
+    if args.drafter_command == "build" and args.budget:
+        return _budget_build(args, target)
     if args.drafter_command == "build":
         from specserve.drafter.pipeline import PipelineConfig, run
         from specserve.drafter.train import TrainConfig

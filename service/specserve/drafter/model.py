@@ -25,6 +25,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 ARCHITECTURE = "Eagle3LlamaForCausalLM"
+# The two drafters a build trains, by the EAGLE-3.1 switches they set (both off: EAGLE-3).
+VARIANTS: dict[str, dict[str, bool]] = {
+    "eagle3": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
 
 
 @dataclass

@@ -8,7 +8,6 @@ vocabulary, steps and seed, so the comparison is fair.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import multiprocessing
 import os
@@ -20,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specserve.drafter.evaluate import START
+from specserve.drafter.model import VARIANTS
 from specserve.drafter.prompts import (
     CHAT_TOPICS,
     Prompt,
@@ -28,9 +28,11 @@ from specserve.drafter.prompts import (
     self_instruct_prompts,
     shuffled,
 )
+from specserve.drafter.train import split_validation
 from specserve.models import PACKAGED_DRAFTERS_DIR
 
-VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
+__all__ = ["VARIANTS", "split_validation"]  # where the build's callers have found them
+
 # Share of each kind among training prompts. Long documents are few but cost ~10x the tokens.
 TRAIN_MIX = {"chat": 0.40, "code": 0.30, "doc": 0.27, "long": 0.03}
 ANSWER_CHUNK = 1024  # prompts answered between saves; several full generation batches
@@ -316,16 +318,6 @@ def variant_drafter(target_dir: str, records: list[dict], variant: str):
         draft_vocab_size=PipelineConfig.draft_vocab_size,
         **VARIANTS[variant],
     )
-
-
-def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], list[dict]]:
-    """Hold one sequence in `share` out of training, chosen by content (stable across runs)."""
-    training: list[dict] = []
-    validation: list[dict] = []
-    for record in records:
-        digest = hashlib.sha1(record["input_ids"].numpy().tobytes()).digest()
-        (validation if digest[0] % share == 0 else training).append(record)
-    return training, validation
 
 
 def eval_sets(per_set: int) -> dict[str, list]:

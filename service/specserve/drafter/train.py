@@ -20,6 +20,7 @@ The model's device (CPU or CUDA) is where batches go.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -95,6 +96,16 @@ def load_records(shards: list[Path]) -> list[dict]:
     for shard in shards:
         records += torch.load(shard, weights_only=False, mmap=True)
     return records
+
+
+def split_validation(records: list[dict], share: int = 25) -> tuple[list[dict], list[dict]]:
+    """Hold one sequence in `share` out of training, chosen by content (stable across runs)."""
+    training: list[dict] = []
+    validation: list[dict] = []
+    for record in records:
+        digest = hashlib.sha1(record["input_ids"].numpy().tobytes()).digest()
+        (validation if digest[0] % share == 0 else training).append(record)
+    return training, validation
 
 
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:

@@ -32,20 +32,23 @@ def prompts(path):
     return path
 
 
-def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny_target, tmp_path):
-    config = TrainConfig(tokens_per_update=64, lr=3e-3)
-    first = budget.run(
-        tiny_target,
-        prompts(tmp_path / "prompts.jsonl"),
-        tmp_path / "first",
+def tiny_run(target, prompts_file, work, updates, compare):
+    return budget.run(
+        target,
+        prompts_file,
+        work,
         minutes=3,
         device=torch.device("cpu"),
-        updates=30,
+        updates=updates,
         max_new_tokens=24,
-        compare=None,
+        compare=compare,
         draft_vocab_size=512,
-        train_config=config,
+        train_config=TrainConfig(tokens_per_update=64, lr=3e-3),
     )
+
+
+def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny_target, tmp_path):
+    first = tiny_run(tiny_target, prompts(tmp_path / "prompts.jsonl"), tmp_path / "first", 30, None)
     assert first["answered"] == 36 and first["sequences"]["training"] > 0
     assert set(first["stages_s"]) == {"answers", "hidden states", "training", "scoring"}
     assert all(0 < n <= 30 for n in first["updates"].values())
@@ -58,18 +61,7 @@ def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny
     pair = tmp_path / "pair"  # compare a second run against the first's exports
     for name in VARIANTS:
         shutil.copytree(first["exports"][name], pair / name)
-    second = budget.run(
-        tiny_target,
-        tmp_path / "prompts.jsonl",
-        tmp_path / "second",
-        minutes=3,
-        device=torch.device("cpu"),
-        updates=10,
-        max_new_tokens=24,
-        compare=pair,
-        draft_vocab_size=512,
-        train_config=config,
-    )
+    second = tiny_run(tiny_target, tmp_path / "prompts.jsonl", tmp_path / "second", 10, pair)
     drafters = {r["drafter"] for r in second["scores"]}
     assert drafters == {*VARIANTS, "eagle3 (pair)", "eagle3.1 (pair)"}
     assert set(second["better_than_compared"]) == set(VARIANTS)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specserve.drafter.model import Drafter, DrafterConfig
-from specserve.drafter.train import TrainConfig, train
+from specserve.drafter.train import TrainConfig, batch_tokens_for, train
 
 
 def synthetic_records(
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-tokens",
         type=int,
         nargs="+",
-        default=[0, TrainConfig.batch_tokens],
-        help="padded tokens per forward (0: one sequence per forward); default: both",
+        help="padded tokens per forward (0: one sequence per forward); default: 0 and the "
+        "trainer's default on the device",
     )
     parser.add_argument("--seq-len", type=int, default=600)
     parser.add_argument("--answer-len", type=int, default=300)
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--answer-len must be positive and below --seq-len")
 
     device = torch.device(args.device)
+    args.batch_tokens = args.batch_tokens or [0, batch_tokens_for(None, device)]
     config = DrafterConfig()
     records = synthetic_records(args.sequences, args.seq_len, args.answer_len, config)
     print(f"device: {device_name(device)}; {args.sequences} sequences of {args.seq_len} tokens")

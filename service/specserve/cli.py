@@ -616,7 +616,10 @@ def _tune(args: argparse.Namespace) -> int:
     )
     tunings = tune.plan(config, costs, totals, args.min_drafts)
     print(tune.render(tunings))
-    schedules = {t.arm: t.schedule for t in tunings}
+    schedules = tune.changed_schedules(tunings)
+    if not schedules:
+        print("every schedule is already in force: nothing applied")
+        return 0
     # The live config again: it may have changed while the costs were measured.
     old_text = live_text()
     new_text, new_config = tune.tuned_text(old_text, schedules)

@@ -138,6 +138,18 @@ def plan(
     return tunings
 
 
+def changed_schedules(tunings: list[ArmTuning]) -> dict[str, list[k_schedule.Range]]:
+    """The schedules to write: those that differ from what the arm does now. An arm with a
+    fixed k whose schedule is that k at every batch size keeps its config as it is (writing it
+    would restart its engines for nothing)."""
+    found = {}
+    for t in tunings:
+        fixed = t.before is None and len(t.schedule) == 1 and t.schedule[0][2] == t.costs.max_k
+        if not fixed and [list(r) for r in t.schedule] != t.before:
+            found[t.arm] = t.schedule
+    return found
+
+
 class _Range(list):
     """A schedule entry, written on one line: `[1, 4, 1]`."""
 

@@ -213,3 +213,16 @@ def test_the_tuned_text_keeps_every_other_setting():
     ]
     assert after == before
     assert config.k_by_arm["ngram"] == [("1-4", 2), ("5+", 0)]
+
+
+def test_an_arm_whose_best_k_is_its_fixed_k_everywhere_keeps_its_config(tmp_path, capsys):
+    live = tmp_path / "config.yaml"
+    live.write_text(render_config())
+    cheap = RoundCosts("ngram", 3, {b: {k: 30.0 + k for k in range(4)} for b in (1, 8, 32)})
+    cheap.bench_chain = CHAIN
+    cheap.save(tmp_path / "costs" / "ngram.json")
+    before = live.read_text()
+    assert cli(["tune", "--local", str(live), "--costs", str(tmp_path / "costs")]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: 1+: k=3   (was: k=3)" in out and "already in force" in out
+    assert live.read_text() == before  # no revision: its engines keep running

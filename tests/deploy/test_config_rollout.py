@@ -36,8 +36,8 @@ SERVICE = "prod-specserve"
 DEFAULT = (Path(__file__).parents[2] / "service/specserve/configs/default.yaml").read_text()
 WEIGHTS = DEFAULT.replace("- name: ngram\n    weight: 25", "- name: ngram\n    weight: 50")
 DRAFTER = WEIGHTS.replace(
-    'model: "package://eagle3", num_speculative_tokens: 1',
-    'model: "package://eagle3", num_speculative_tokens: 3',
+    'model: "package://eagle3"\n      num_speculative_tokens: 1',
+    'model: "package://eagle3"\n      num_speculative_tokens: 3',
 )
 INVALID = WEIGHTS.replace("weight: 50", "weight: fifty")
 # What the commands may do, and all the Helm chart's Role grants them (`resource.group` for

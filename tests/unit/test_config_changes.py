@@ -64,8 +64,8 @@ CASES = [
         edit(
             edit(
                 DEFAULT,
-                '"package://eagle3", num_speculative_tokens: 1',
-                '"package://eagle3", num_speculative_tokens: 2',
+                'model: "package://eagle3"\n      num_speculative_tokens: 1',
+                'model: "package://eagle3"\n      num_speculative_tokens: 2',
             ),
             NGRAM_DEFAULTS,
             "",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -248,29 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="k by load: measure round costs and live acceptance, write each drafting arm's "
         "k schedule as a config revision",
     )
-    tune_p.add_argument("--arms", nargs="+", help="drafting arms to tune (default: all)")
-    tune_p.add_argument(
-        "--prometheus", help="a Prometheus scraping specserve, for live acceptance per position"
-    )
-    tune_p.add_argument(
-        "--since", help="live acceptance since 30m, 2h, ... ago (default: the active revision)"
-    )
-    tune_p.add_argument(
-        "--min-drafts",
-        type=int,
-        default=200,
-        help="live drafts an arm needs for its live acceptance to be used, else the bench "
-        "prompts' (200)",
-    )
-    tune_p.add_argument(
-        "--costs", type=Path, metavar="DIR", help="round costs of an earlier run (DIR/ARM.json)"
-    )
-    tune_p.add_argument(
-        "--out", type=Path, help="where measured round costs go (default: <cache dir>/tune)"
-    )
-    tune_p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    tune_p.add_argument("--repeats", type=int, default=3, help="passes over every cell (3)")
-    tune_p.add_argument("--dry-run", action="store_true", help="show the schedules only")
+    from specserve import tune
+
+    tune.add_arguments(tune_p)
 
     capture_p = sub.add_parser("capture", help="the arms' capture samples: show or delete them")
     from specserve.capture import commands as capture_commands
@@ -583,8 +562,6 @@ def _loop(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     """`specserve tune` against the local config file (`--local`) or a release."""
     from specserve import tune
-    from specserve.ab.prometheus import PrometheusError
-    from specserve.settings import get_settings
 
     if not args.local and args.costs is None:
         print(
@@ -595,90 +572,7 @@ def _tune(args: argparse.Namespace) -> int:
         )
         return 2
     live_text, apply = _config_store(args, "the tuned revision")
-    text = live_text()
-    config = parse_config(text.encode(), source="the live config")
-    try:
-        arms = tune.drafting_arms(config, args.arms)
-        totals = tune.live_acceptance(args.prometheus, args.since)
-    except (ValueError, PrometheusError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not arms:
-        print("no arm drafts: nothing to tune")
-        return 0
-    costs = tune.round_costs(
-        text,
-        arms,
-        costs_dir=args.costs,
-        out=args.out or get_settings().cache_dir / "tune",
-        batch_sizes=args.batch_sizes,
-        repeats=args.repeats,
-    )
-    tunings = tune.plan(config, costs, totals, args.min_drafts)
-    print(tune.render(tunings))
-    schedules = tune.changed_schedules(tunings)
-    if not schedules:
-        print("every schedule is already in force: nothing applied")
-        return 0
-    # The live config again: it may have changed while the costs were measured.
-    old_text = live_text()
-    new_text, new_config = tune.tuned_text(old_text, schedules)
-    if args.dry_run:
-        print("dry run: nothing applied")
-        return 0
-    old = parse_config(old_text.encode(), source="the live config")
-    changed = [c.name for c in arm_changes(old, new_config) if c.restart]
-    if not changed:
-        print("every schedule is already in force: nothing applied")
-        return 0
-    revision = apply(new_text, new_config)
-    print(
-        f"applied revision {revision}: {', '.join(changed)} redeploy with the new schedule "
-        "(`specserve config rollback" + (" --local" if args.local else "") + "` undoes it)"
-    )
-    return 0
-
-
-def _budget_build(args: argparse.Namespace, target: str) -> int:
-    """`drafter build --budget gpu-10min`: the torch-only build within a time budget."""
-    import torch
-
-    from specserve.drafter import budget
-    from specserve.settings import get_settings
-
-    try:
-        device, minutes = budget.parse_budget(args.budget)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "error: no GPU here: --budget cpu-MINUTESmin runs the same path on the CPU",
-            file=sys.stderr,
-        )
-        return 2
-    work = args.work_dir or get_settings().cache_dir / f"drafters-{args.budget}"
-    work.mkdir(parents=True, exist_ok=True)
-    prompts = work / "prompts.jsonl"
-    if not prompts.exists():
-        budget.write_prompts(prompts, args.prompts)
-    updates = args.updates or budget.LONG_BUDGET_UPDATES
-    report = budget.run(
-        target, prompts, work, minutes=minutes, device=torch.device(device), updates=updates
-    )
-    print(budget.markdown(report))
-    better = report["better_than_compared"] or {}
-    if args.ship:
-        from specserve.models import PACKAGED_DRAFTERS_DIR
-
-        for name, is_better in better.items():
-            if is_better:
-                shutil.rmtree(PACKAGED_DRAFTERS_DIR / name, ignore_errors=True)
-                shutil.copytree(report["exports"][name], PACKAGED_DRAFTERS_DIR / name)
-                print(f"shipped {name}: better than the shipped one on every held-out set")
-            else:
-                print(f"kept the shipped {name}: the new one is not better on every set")
-    return 0
+    return tune.run(args, live_text, apply)
 
 
 def _drafter(args: argparse.Namespace) -> int:
@@ -688,7 +582,9 @@ def _drafter(args: argparse.Namespace) -> int:
 
     target = prepare_model(load_config(get_settings().config).config.model.source)
     if args.drafter_command == "build" and args.budget:
-        return _budget_build(args, target)
+        from specserve.drafter import budget
+
+        return budget.build_command(args, target)
     if args.drafter_command == "build":
         from specserve.drafter.pipeline import PipelineConfig, run
         from specserve.drafter.train import TrainConfig

@@ -21,6 +21,8 @@ For each arm that drafts (n-gram or EAGLE):
 
 from __future__ import annotations
 
+import argparse
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from typing import Any
 import yaml
 
 from specserve import k_schedule
-from specserve.config import RouterConfig, parse_config
+from specserve.config import RouterConfig, arm_changes, parse_config
 
 LIVE, BENCH = "live traffic", "bench prompts"
 
@@ -198,3 +200,86 @@ def render(tunings: list[ArmTuning]) -> str:
             f"{k_schedule.describe(t.before, t.costs.max_k)})"
         )
     return "\n".join(lines)
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arms", nargs="+", help="drafting arms to tune (default: all)")
+    parser.add_argument(
+        "--prometheus", help="a Prometheus scraping specserve, for live acceptance per position"
+    )
+    parser.add_argument(
+        "--since", help="live acceptance since 30m, 2h, ... ago (default: the active revision)"
+    )
+    parser.add_argument(
+        "--min-drafts",
+        type=int,
+        default=200,
+        help="live drafts an arm needs for its live acceptance to be used, else the bench "
+        "prompts' (200)",
+    )
+    parser.add_argument(
+        "--costs", type=Path, metavar="DIR", help="round costs of an earlier run (DIR/ARM.json)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="where measured round costs go (default: <cache dir>/tune)"
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=3, help="passes over every cell (3)")
+    parser.add_argument("--dry-run", action="store_true", help="show the schedules only")
+
+
+def run(
+    args: argparse.Namespace,
+    live_text: Callable[[], str],
+    apply: Callable[[str, RouterConfig], str],
+) -> int:
+    """Measure, derive and apply (module docstring) against a config store: the live config's
+    text, and a way to apply a new revision (-> its revision)."""
+    from specserve.ab.prometheus import PrometheusError
+    from specserve.settings import get_settings
+
+    text = live_text()
+    config = parse_config(text.encode(), source="the live config")
+    try:
+        arms = drafting_arms(config, args.arms)
+        totals = live_acceptance(args.prometheus, args.since)
+    except (ValueError, PrometheusError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not arms:
+        print("no arm drafts: nothing to tune")
+        return 0
+    costs = round_costs(
+        text,
+        arms,
+        costs_dir=args.costs,
+        out=args.out or get_settings().cache_dir / "tune",
+        batch_sizes=args.batch_sizes,
+        repeats=args.repeats,
+    )
+    tunings = plan(config, costs, totals, args.min_drafts)
+    print(render(tunings))
+    schedules = changed_schedules(tunings)
+    if not schedules:
+        print("every schedule is already in force: nothing applied")
+        return 0
+    # The live config again: it may have changed while the costs were measured.
+    old_text = live_text()
+    new_text, new_config = tuned_text(old_text, schedules)
+    if args.dry_run:
+        print("dry run: nothing applied")
+        return 0
+    old = parse_config(old_text.encode(), source="the live config")
+    changed = [c.name for c in arm_changes(old, new_config) if c.restart]
+    if not changed:
+        print("every schedule is already in force: nothing applied")
+        return 0
+    revision = apply(new_text, new_config)
+    print(
+        f"applied revision {revision}: {', '.join(changed)} redeploy with the new schedule "
+        "(`specserve config rollback" + (" --local" if args.local else "") + "` undoes it)"
+    )
+    return 0

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -353,6 +355,45 @@ def parse_budget(text: str) -> tuple[str, float]:
     if not match:
         raise ValueError(f"--budget {text!r}: expected DEVICE-MINUTESmin, e.g. gpu-10min")
     return ("cuda" if match[1] == "gpu" else "cpu"), float(match[2])
+
+
+def build_command(args: argparse.Namespace, target: str) -> int:
+    """`drafter build --budget gpu-10min`: the torch-only build within a time budget."""
+    from specserve.settings import get_settings
+
+    try:
+        device, minutes = parse_budget(args.budget)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if device == "cuda" and not torch.cuda.is_available():
+        print(
+            "error: no GPU here: --budget cpu-MINUTESmin runs the same path on the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    work = args.work_dir or get_settings().cache_dir / f"drafters-{args.budget}"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts, args.prompts)
+    updates = args.updates or LONG_BUDGET_UPDATES
+    report = run(
+        target, prompts, work, minutes=minutes, device=torch.device(device), updates=updates
+    )
+    print(markdown(report))
+    better = report["better_than_compared"] or {}
+    if args.ship:
+        from specserve.models import PACKAGED_DRAFTERS_DIR
+
+        for name, is_better in better.items():
+            if is_better:
+                shutil.rmtree(PACKAGED_DRAFTERS_DIR / name, ignore_errors=True)
+                shutil.copytree(report["exports"][name], PACKAGED_DRAFTERS_DIR / name)
+                print(f"shipped {name}: better than the shipped one on every held-out set")
+            else:
+                print(f"kept the shipped {name}: the new one is not better on every set")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,8 @@ AUTHORIZATION = "authorization"
 WWW_AUTHENTICATE = "www-authenticate"
 # Response: seconds to wait before retrying a 429/503 (overloaded arm, failed engine, draining).
 RETRY_AFTER = "retry-after"
+# Response: the methods a route takes, on a 405.
+ALLOW = "allow"
 
 # Internal, between the dispatch (the router in each HTTP proxy) and the arms; a client's own
 # values are replaced or removed.

@@ -113,10 +113,17 @@ def test_token_buckets_refill_over_a_minute():
     assert refused.value.status == 429 and refused.value.headers["retry-after"] == "20"
     now[0] = 20.0  # a third of a minute: one request back
     limits.admit("a", 3, None)
-    # Output tokens are spent after the answer and may take the bucket below zero.
+    # A request reserves its most tokens; one larger than the bucket waits for a full bucket
+    # and takes it below zero; what it did not use comes back.
     limits.admit("b", None, 100)
-    limits.spend_tokens("b", 250)
+    assert limits.reserve("b", 100, 250) == 250
     with pytest.raises(OpenAIError):
         limits.admit("b", None, 100)
-    now[0] = 20.0 + 60 * 1.6  # 160 tokens back: above zero again
-    limits.admit("b", None, 100)
+    limits.settle("b", 250, 100)  # 150 back: at zero
+    with pytest.raises(OpenAIError):
+        limits.reserve("b", 100, 1)
+    now[0] = 20.0 + 60 * 0.5  # 50 tokens back
+    with pytest.raises(OpenAIError):
+        limits.reserve("b", 100, 51)
+    assert limits.reserve("b", 100, 50) == 50
+    assert limits.reserve("c", None, 10**6) == 0  # no token limit: nothing reserved

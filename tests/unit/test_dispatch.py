@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve import headers
 from specserve.capture.store import Bounds
@@ -256,7 +258,52 @@ def test_a_request_without_max_tokens_gets_the_limit_and_n_times_tokens_is_bound
         assert json.loads(client.arms.requests[-1]["body"])["max_tokens"] == 64
         many = {"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 64}
         status, _, body = await client.request(body=many)
-        assert status == 400 and "n x max_tokens" in body["error"]["message"]
+        assert status == 400 and "n x max_tokens is 3 x 64" in body["error"]["message"]
+
+    run(main())
+
+
+def test_every_prompt_of_a_completion_counts_against_the_token_cap(client):
+    async def main():
+        four = {"model": MODEL, "prompt": ["a", "b", "c", "d"]}
+        assert (await client.request(body=four))[0] == 200
+        assert json.loads(client.arms.requests[-1]["body"])["max_tokens"] == 32  # 128 / 4
+        status, _, body = await client.request(body={**four, "max_tokens": 64})
+        assert status == 400 and body["error"]["param"] == "max_tokens"
+        assert "prompts x n x max_tokens is 4 x 1 x 64 = 256" in body["error"]["message"]
+        token_lists = {"model": MODEL, "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 64}
+        assert (await client.request(body=token_lists))[0] == 400
+        one_token_list = {"model": MODEL, "prompt": [1, 2, 3], "n": 2, "max_tokens": 64}
+        assert (await client.request(body=one_token_list))[0] == 200  # one prompt of ids
+
+    run(main())
+
+
+def test_the_cap_counts_the_token_field_the_engine_honours(client):
+    async def main():
+        # A completion knows only max_tokens: max_completion_tokens would hide 3 x 64 behind 3.
+        hidden = {"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 64}
+        status, _, body = await client.request(body={**hidden, "max_completion_tokens": 1})
+        assert status == 400 and "n x max_tokens is 3 x 64" in body["error"]["message"]
+        # A chat takes max_completion_tokens over max_tokens.
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}
+        path = "/v1/chat/completions"
+        wide = {**chat, "max_completion_tokens": 64, "max_tokens": 1}
+        status, _, body = await client.request(path=path, body=wide)
+        assert status == 400 and body["error"]["param"] == "max_completion_tokens"
+        narrow = {**chat, "max_completion_tokens": 1, "max_tokens": 64}
+        assert (await client.request(path=path, body=narrow))[0] == 200
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [1, "true", "on"])
+def test_a_stream_spelled_otherwise_reaches_the_arm_as_true(client, stream):
+    async def main():
+        assert (await client.request(body={"model": MODEL, "prompt": "hi", "stream": stream}))[
+            0
+        ] == 200
+        assert json.loads(client.arms.requests[-1]["body"])["stream"] is True
 
     run(main())
 
@@ -367,6 +414,34 @@ def test_a_key_over_its_request_rate_gets_429_with_retry_after(tmp_path, monkeyp
         assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
         assert int(found[headers.RETRY_AFTER]) >= 1
         assert (await limited.request(key=ADMIN_KEY))[0] == 200  # another key, another bucket
+
+    run(main())
+
+
+def test_a_key_reserves_its_most_tokens_and_a_client_that_leaves_keeps_them(tmp_path, monkeypatch):
+    limited = Client(
+        tmp_path, monkeypatch, per_key=", per_key: {team-a: {output_tokens_per_minute: 100}}"
+    )
+
+    def asking(tokens: int) -> dict:
+        return {"model": MODEL, "prompt": "hi", "max_tokens": tokens}
+
+    async def main():
+        # Answered with 5 tokens: the rest of the 60 reserved comes back.
+        assert (await limited.request(body=asking(60)))[0] == 200
+        assert (await limited.request(body=asking(60)))[0] == 200
+        limited.arms.held = {"a"}
+        held = asyncio.ensure_future(limited.request(body=asking(60)))
+        await asyncio.sleep(0.2)
+        # Two at once may not both take 60 of a bucket of ~90.
+        status, _, body = await limited.request(body=asking(60))
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+        held.cancel()  # the client leaves: its 60 stay spent
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        limited.arms.held = set()
+        assert (await limited.request(body=asking(40)))[0] == 429
+        assert (await limited.request(body=asking(20)))[0] == 200
 
     run(main())
 
@@ -679,5 +754,53 @@ def test_a_request_counts_among_the_proxys_ongoing_ones_until_it_ends(client):
         status, _, _ = await asyncio.wait_for(serving, 1)
         assert status == 200
         assert proxy.ongoing == 0
+
+    run(main())
+
+
+_ODD_CHARACTERS = st.one_of(
+    st.integers(0xD800, 0xDFFF).map(chr),  # lone UTF-16 halves
+    st.characters(codec="utf-8"),
+    st.sampled_from(["\x00", "\u2028", "\ufeff", "😀", "\\"]),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    method=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=12),
+    text=st.text(alphabet=_ODD_CHARACTERS, max_size=8),
+    field=st.sampled_from(["user", "prompt", "model", "stop", "suffix", "key"]),
+)
+def test_odd_methods_and_strings_get_a_4xx_never_a_500(tmp_path_factory, method, text, field):
+    """Any method name, and any string (lone surrogates included) in any field: the dispatch
+    answers 405 or 400, or serves; never a 500, and never a method it does not route."""
+    client = Client(tmp_path_factory.mktemp("odd"), pytest.MonkeyPatch(), weight_b=1)
+    body: dict = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    if field == "key":
+        body[text] = 1
+    else:
+        body[field] = text
+
+    async def main():
+        status, found, answer = await client.request(body=body, method=method or "POST")
+        assert status < 500, answer
+        if (method or "POST") not in {"GET", "HEAD", "POST", "OPTIONS"}:
+            assert status == 405 and answer["error"]["code"] == "method_not_allowed"
+            assert found[headers.ALLOW] == "GET, HEAD, OPTIONS, POST"
+        if status == 200:
+            # What the arm got encodes: the request never reached it otherwise.
+            json.loads(client.arms.requests[-1]["body"]).__repr__().encode()
+
+    run(main())
+
+
+@pytest.mark.parametrize("field", ["user", "prompt"])
+def test_a_lone_surrogate_gets_400_and_a_real_pair_is_served(client, field):
+    async def main():
+        lone = {"model": MODEL, "prompt": "hi", field: "a\ud800"}
+        status, _, answer = await client.request(body=lone)
+        assert status == 400 and "surrogate" in answer["error"]["message"]
+        paired = {"model": MODEL, "prompt": "hi", field: "a\ud83d\ude00"}  # one emoji, escaped
+        assert (await client.request(body=paired))[0] == 200
 
     run(main())

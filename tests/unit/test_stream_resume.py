@@ -247,3 +247,12 @@ def test_a_resumed_stream_continues_the_first_ones_id_role_and_usage():
     counted = json.loads(rewrite(usage)[len("data: ") :])["usage"]
     assert counted == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
     assert rewrite("data: [DONE]\n\n") == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [True, 1, "true", "yes"])
+def test_every_stream_asks_for_the_usage_chunk_however_it_is_spelled(stream):
+    data = body_for(COMPLETIONS, max_tokens=5)
+    body = validate_request({**data, "stream": stream}, COMPLETIONS)
+    assert body.stream is True and body.stream_options.include_usage is True
+    kept = validate_request({**data, "stream": 0}, COMPLETIONS)
+    assert not kept.stream and kept.stream_options is None

@@ -123,6 +123,7 @@ _REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "OPTIONS"})  # what any route here answers
 _ERROR_EVENT = b'data: {"error"'
 _SSE_DONE = SSE_DONE.encode()
 # The usage chunk an arm ends its stream with: `usage` and no choices, whatever the JSON's
@@ -166,6 +167,11 @@ class Dispatch:
         if self.state is None:  # the first request: the proxy's event loop runs now
             self.state = DispatchState(self.arms)
         path = scope["path"]
+        if scope["method"] not in HTTP_METHODS:
+            # Ray Serve's proxy labels its metrics with the method: any other name would be a new
+            # series, and no route here takes one.
+            await _send_error(send, method_not_allowed(scope["method"]), [_request_id(scope)])
+            return
         endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
             with _ongoing_in(self.app):
@@ -410,6 +416,7 @@ class DispatchState:
         record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
         exchange: _Exchange | None = None
         identity: Identity | None = None
+        reserved = 0
         try:
             try:
                 if self.serve_state.shutting_down:
@@ -429,9 +436,11 @@ class DispatchState:
                     data = parse_body(raw)
                 record.arm = self._pick_arm(request_headers, data, loaded, record)
                 extra.append((_ARM, record.arm.encode()))
-                if check_limits(data, config):  # given the configured token limit
+                checked = check_limits(data, config, endpoint)
+                if checked.rewritten:  # given the configured token limit, or a bool `stream`
                     raw = json.dumps(data).encode()
                 self._check_room(record.arm, config)
+                reserved = self._reserve(identity, config, checked.tokens)
             except OpenAIError as exc:
                 record.outcome = outcome_of_status(exc.status)
                 await _send_error(send, exc, [*extra, request_id])
@@ -523,9 +532,13 @@ class DispatchState:
             if exchange is not None:
                 self.at_arm[record.arm] -= 1
             record.finish(metrics)
-            if identity is not None and record.output_tokens:
-                metrics.count_key_tokens(identity.name, record.output_tokens)
-                self.key_limits.spend_tokens(identity.name, record.output_tokens)
+            if identity is not None:
+                if record.output_tokens:
+                    metrics.count_key_tokens(identity.name, record.output_tokens)
+                # A client that left is charged its whole reservation: what the engine generated
+                # before it stopped never reaches the router.
+                if record.outcome != OUTCOME_CANCELLED:
+                    self.key_limits.settle(identity.name, reserved, record.output_tokens)
 
     async def _at_arm(
         self, exchange: _Exchange, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive
@@ -582,6 +595,19 @@ class DispatchState:
                 raise
         self.metrics.count_auth(identity.name, AUTH_ACCEPTED)
         return identity
+
+    def _reserve(self, identity: Identity | None, config: RouterConfig, tokens: int) -> int:
+        """Reserve the most tokens the request may generate from its key's token bucket (429 when
+        it holds fewer), so that many requests at once cannot each take the full limit."""
+        limit = config.limits.key_limit(identity.name) if identity is not None else None
+        if identity is None or limit is None:
+            return 0
+        assert self.metrics is not None
+        try:
+            return self.key_limits.reserve(identity.name, limit.output_tokens_per_minute, tokens)
+        except OpenAIError:
+            self.metrics.count_auth(identity.name, AUTH_RATE_LIMITED)
+            raise
 
     def _replay_arm(self, record: RequestRecord, config: RouterConfig) -> str:
         """Where a request whose arm failed before answering goes again: a forced request to
@@ -967,6 +993,16 @@ async def _send_json(
     ]
     await send({"type": "http.response.start", "status": status, "headers": response_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def method_not_allowed(method: str) -> OpenAIError:
+    shown = method if len(method) <= 32 and method.isprintable() else f"{method[:32]!r}..."
+    return OpenAIError(
+        405,
+        f"method {shown} is not allowed; routes here take {', '.join(sorted(HTTP_METHODS))}",
+        code="method_not_allowed",
+        headers={headers.ALLOW: ", ".join(sorted(HTTP_METHODS))},
+    )
 
 
 async def _send_error(send: Send, error: OpenAIError, extra: list[tuple[bytes, bytes]]) -> None:

@@ -180,7 +180,7 @@ def admin_required(what: str) -> OpenAIError:
 @dataclass
 class TokenBucket:
     """`rate_per_minute` refills evenly, up to a minute's worth; a cost may take it below zero
-    (output tokens are known only after the answer), which then waits until it refills."""
+    (a request larger than a minute's worth), which then waits until it refills."""
 
     rate_per_minute: float
     level: float = field(init=False)
@@ -204,10 +204,15 @@ class TokenBucket:
         self.refill(now)
         self.level -= amount
 
+    def give_back(self, now: float, amount: float) -> None:
+        self.refill(now)
+        self.level = min(self.rate_per_minute, self.level + amount)
+
 
 class KeyLimits:
     """Per key name: requests per minute and output tokens per minute, token buckets (per HTTP
-    proxy). A request is refused (429 + Retry-After) while either bucket is empty."""
+    proxy). A request is refused (429 + Retry-After) while either bucket is empty; once its body
+    is read it reserves the most tokens it may generate, and gets back what it did not use."""
 
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
@@ -227,22 +232,41 @@ class KeyLimits:
         now = self.clock()
         requests = self._bucket(name, "requests", requests_per_minute)
         tokens = self._bucket(name, "tokens", tokens_per_minute)
-        wait = max(
-            requests.wait_s(now, 1) if requests else 0.0,
-            tokens.wait_s(now, 1) if tokens else 0.0,
+        _refuse_for(
+            name,
+            max(
+                requests.wait_s(now, 1) if requests else 0.0,
+                tokens.wait_s(now, 1) if tokens else 0.0,
+            ),
         )
-        if wait > 0:
-            retry_after = str(max(1, round(wait + 0.5)))
-            raise OpenAIError(
-                429,
-                f"API key {name!r} is over its rate limit; retry after {retry_after} s",
-                code="rate_limit_exceeded",
-                headers={RETRY_AFTER: retry_after},
-            )
         if requests:
             requests.take(now, 1)
 
-    def spend_tokens(self, name: str, tokens: int) -> None:
+    def reserve(self, name: str, tokens_per_minute: float | None, tokens: int) -> int:
+        """Take `tokens`, the most the request may generate, from the key's token bucket, or
+        raise 429 while the bucket holds fewer (a request larger than a minute's worth waits for
+        a full bucket). -> what was taken, for `settle`."""
+        bucket = self._bucket(name, "tokens", tokens_per_minute)
+        if bucket is None:
+            return 0
+        now = self.clock()
+        _refuse_for(name, bucket.wait_s(now, min(tokens, bucket.rate_per_minute)))
+        bucket.take(now, tokens)
+        return tokens
+
+    def settle(self, name: str, reserved: int, used: int) -> None:
+        """Give back what a reservation did not use (nothing when it used more)."""
         bucket = self._buckets.get((name, "tokens"))
-        if bucket is not None and tokens > 0:
-            bucket.take(self.clock(), tokens)
+        if bucket is not None and reserved > used:
+            bucket.give_back(self.clock(), reserved - used)
+
+
+def _refuse_for(name: str, wait_s: float) -> None:
+    if wait_s > 0:
+        retry_after = str(max(1, round(wait_s + 0.5)))
+        raise OpenAIError(
+            429,
+            f"API key {name!r} is over its rate limit; retry after {retry_after} s",
+            code="rate_limit_exceeded",
+            headers={RETRY_AFTER: retry_after},
+        )

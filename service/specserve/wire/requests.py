@@ -8,7 +8,10 @@ the request schema itself is checked by the arm that serves the request (wire/va
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from specserve.config import RouterConfig
 from specserve.wire.errors import OpenAIError
@@ -49,7 +52,28 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise OpenAIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(data, dict):
         raise OpenAIError(400, "request body must be a JSON object")
+    # JSON may escape half of a UTF-16 pair (\ud800) where UTF-8 has no such character: a string
+    # that cannot be encoded fails wherever it is hashed, tokenized or logged.
+    if (b"\\ud" in raw or b"\\uD" in raw) and _has_lone_surrogate(data):
+        raise OpenAIError(400, "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
     return data
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:
@@ -66,10 +90,20 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-def check_limits(data: dict[str, Any], config: RouterConfig) -> bool:
-    """The model this deployment serves, and the configured bounds on tokens and choices. A
-    request that names no token limit gets one, within the bounds: True when `data` was given
-    one (its body must be written again)."""
+@dataclass(frozen=True)
+class Checked:
+    """What `check_limits` found: the most tokens the engine may generate for the request, and
+    whether it changed the body (which must then be written again)."""
+
+    tokens: int
+    rewritten: bool
+
+
+def check_limits(data: dict[str, Any], config: RouterConfig, endpoint: str) -> Checked:
+    """The model this deployment serves, and the configured bounds on tokens and choices,
+    counted as the engine will generate them: every prompt of a completion, times `n`, times the
+    token limit the engine honours. A request that names no token limit gets one, within the
+    bounds; `stream` is written as the bool the arm's validation reads it as."""
     model = data.get("model")
     if model is None:
         raise OpenAIError(400, "model: field required", param="model")
@@ -92,27 +126,86 @@ def check_limits(data: dict[str, Any], config: RouterConfig) -> bool:
             raise OpenAIError(
                 400, f"{key} is {value}; this deployment allows at most {most}", param=key
             )
+    rewritten = _decide_stream(data)
     n = int(data.get("n") or 1)
-    tokens = data.get("max_completion_tokens") or data.get("max_tokens")
-    if tokens is None:
+    prompts = prompt_count(data, endpoint)
+    field = output_limit_field(data, endpoint)
+    if data.get(field) is None:
         # Else the engine generates to the end of the context (131,072 tokens on some models).
-        data["max_tokens"] = min(limits.max_tokens, max(1, limits.max_total_tokens // n))
-        return True
-    if n * int(tokens) > limits.max_total_tokens:
+        data[field] = min(limits.max_tokens, max(1, limits.max_total_tokens // (n * prompts)))
+        rewritten = True
+    tokens = int(data[field])
+    total = prompts * n * tokens
+    if total > limits.max_total_tokens:
+        counted = f"n x {field} is {n} x {tokens}"
+        if prompts > 1:
+            counted = f"prompts x n x {field} is {prompts} x {n} x {tokens}"
         raise OpenAIError(
             400,
-            f"n x max_tokens is {n} x {int(tokens)}; this deployment allows at most "
+            f"{counted} = {total} tokens; this deployment allows at most "
             f"{limits.max_total_tokens} tokens per request",
-            param="n",
+            param=field,
         )
-    return False
+    return Checked(tokens=total, rewritten=rewritten)
+
+
+def prompt_count(data: dict[str, Any], endpoint: str) -> int:
+    """How many prompts the engine answers: a chat has one; a completion's `prompt` is one text
+    or one list of token ids, or a list of several, and `prompt_embeds` adds its own."""
+    if endpoint == CHAT:
+        return 1
+    count = 0
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        count += len(prompt)
+    elif prompt is not None:
+        count += 1
+    embeds = data.get("prompt_embeds")
+    if isinstance(embeds, list):
+        count += len(embeds)
+    elif embeds is not None:
+        count += 1
+    return max(1, count)
+
+
+def output_limit_field(data: dict[str, Any], endpoint: str) -> str:
+    """The token limit the engine honours: a chat's `max_completion_tokens` over its
+    `max_tokens`; a completion knows only `max_tokens` (vLLM ignores the other there)."""
+    if endpoint == CHAT and data.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def as_bool(value: Any) -> bool | None:
+    """`value` as the arm's validation (pydantic) reads a bool: 1, "true", "on" ... are True;
+    None when it reads none."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def _decide_stream(data: dict[str, Any]) -> bool:
+    """Write `stream` as the bool the arm will take it for, so that the router, which forces the
+    usage chunk of every stream and charges its tokens, decides as the engine does: True when
+    the body changed."""
+    if "stream" not in data or data["stream"] is None or isinstance(data["stream"], bool):
+        return False
+    stream = as_bool(data["stream"])
+    if stream is None:
+        return False  # not a bool at all: the arm's validation refuses it, naming the field
+    data["stream"] = stream
+    return True
 
 
 def wants_usage(data: dict[str, Any]) -> bool:
     """Whether the client asked for the final usage chunk of a stream (the arm always sends it:
     it carries the token count and the speculative-decoding stats)."""
     stream_options = data.get("stream_options")
-    return isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
+    return isinstance(stream_options, dict) and bool(as_bool(stream_options.get("include_usage")))
 
 
 def unknown_model(model: Any, config: RouterConfig) -> OpenAIError:

@@ -21,20 +21,31 @@ MAX_TOKEN_ID = 2**32  # what a tokenizer's id type holds
 
 
 def validate_request(data: dict[str, Any], endpoint: str) -> Any:
-    """The request as the engine takes it, streams asking for the final usage chunk."""
+    """The request as the engine takes it, every stream asking for the final usage chunk."""
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(key)
         if isinstance(value, float) and value.is_integer():
             data[key] = int(value)  # JSON's 16.0 is an integer, as pydantic reads it
-    stream_options = data.get("stream_options")
-    if data.get("stream") is True and (stream_options is None or isinstance(stream_options, dict)):
-        # The final usage chunk carries the token count and the spec-decode stats.
-        data = {**data, "stream_options": {**(stream_options or {}), "include_usage": True}}
     if endpoint == CHAT and not isinstance(data.get("messages", []), list):
         # vLLM's before-validators iterate `messages` unchecked: a number would be a TypeError.
         raise OpenAIError(400, "messages: must be an array of messages", param="messages")
+    body = _validate(data, endpoint)
+    options = body.stream_options
+    if body.stream and not (options is not None and options.include_usage):
+        # Decided on the validated body ("stream": 1 streams too): the final usage chunk carries
+        # the token count the key is charged and the spec-decode stats.
+        forced = {**(data.get("stream_options") or {}), "include_usage": True}
+        body = _validate({**data, "stream": True, "stream_options": forced}, endpoint)
+    if endpoint == CHAT:
+        _check_roles(data["messages"])
+    else:
+        _check_token_ids(data.get("prompt"))
+    return body
+
+
+def _validate(data: dict[str, Any], endpoint: str) -> Any:
     try:
-        body = REQUEST_MODELS[endpoint].model_validate(data)
+        return REQUEST_MODELS[endpoint].model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     except TypeError as exc:
@@ -47,11 +58,6 @@ def validate_request(data: dict[str, Any], endpoint: str) -> Any:
         param = exc.parameter
         message = exc.args[0] if exc.args else str(exc)
         raise OpenAIError(400, f"{param}: {message}" if param else message, param=param) from None
-    if endpoint == CHAT:
-        _check_roles(data["messages"])
-    else:
-        _check_token_ids(data.get("prompt"))
-    return body
 
 
 def _check_roles(messages: list[Any]) -> None:

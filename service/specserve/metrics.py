@@ -57,6 +57,7 @@ SELECTED_BY = "selected_by"
 STAT = "stat"
 BATCH_SIZES = "batch_sizes"  # a k schedule's range of batch sizes, as the config writes it
 KEY = "key"  # an API key's name (never the key)
+KEYS_FILE = "keys"  # which keys file: api or admin
 
 # Request outcomes (label values of specserve_requests_total).
 OUTCOME_OK = "ok"
@@ -128,6 +129,7 @@ CONFIG_LAST_RELOAD_SUCCESS = f"{PREFIX}_config_last_reload_successful"
 API_KEY_REQUESTS = f"{PREFIX}_api_key_requests"
 API_KEY_OUTPUT_TOKENS = f"{PREFIX}_api_key_output_tokens"
 ARM_STATES_AGE = f"{PREFIX}_arm_states_age_seconds"
+KEYS_FILE_REFUSED = f"{PREFIX}_keys_file_refused"
 # Recorded by the arms' engine replicas (capture/), not the router.
 CAPTURED_RECORDS = f"{PREFIX}_captured_records"
 CAPTURE_DROPPED = f"{PREFIX}_capture_dropped_records"
@@ -170,6 +172,7 @@ GAUGES = (
     CONFIG_INFO,
     CONFIG_LAST_RELOAD_SUCCESS,
     ARM_STATES_AGE,
+    KEYS_FILE_REFUSED,
 )
 
 
@@ -349,6 +352,12 @@ class RouterMetrics:
         self.api_key_output_tokens = Counter(
             API_KEY_OUTPUT_TOKENS, "Generated tokens by API key name.", (MODEL, KEY)
         )
+        self.keys_file_refused = Gauge(
+            KEYS_FILE_REFUSED,
+            "1 while the newest version of a keys file (keys: api or admin) is refused: it "
+            "gives no new key, and the keys it no longer holds are dropped.",
+            (MODEL, KEYS_FILE),
+        )
         self.arm_states_age = Gauge(
             ARM_STATES_AGE,
             "Seconds since this router last read which arms run from the Ray Serve "
@@ -364,6 +373,7 @@ class RouterMetrics:
         self._in_flight = 0
         self._last_reload_ok = True
         self._arm_states_age_s = 0.0
+        self._keys_refused: dict[str, bool] = {}
 
     def _tags(self, arm: str, **more: str) -> dict[str, str]:
         return {MODEL: self.model, ARM: arm, **more}
@@ -399,6 +409,10 @@ class RouterMetrics:
     def set_arm_states_age(self, seconds: float) -> None:
         self._arm_states_age_s = seconds
 
+    def set_keys_refused(self, refused: dict[str, bool]) -> None:
+        """Whether each keys file (api, admin) is refused now."""
+        self._keys_refused = dict(refused)
+
     def count_retry(self, arm: str) -> None:
         self.engine_retries.inc(1, self._tags(arm))
 
@@ -416,6 +430,8 @@ class RouterMetrics:
         self.config_last_reload_success.set(1 if self._last_reload_ok else 0, {MODEL: self.model})
         self.requests_in_flight.set(self._in_flight, {MODEL: self.model})
         self.arm_states_age.set(self._arm_states_age_s, {MODEL: self.model})
+        for keys, refused in self._keys_refused.items():
+            self.keys_file_refused.set(1 if refused else 0, {MODEL: self.model, KEYS_FILE: keys})
         for arm, weight in self._weights.items():
             self.arm_weight.set(weight, self._tags(arm))
         for arm, ranges in self._k.items():

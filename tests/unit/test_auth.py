@@ -57,6 +57,24 @@ def test_identify_names_the_key_and_whether_it_is_an_admin_key(tmp_path):
     assert refused.value.status == 401
 
 
+def test_a_refused_file_takes_no_new_key_and_drops_the_keys_it_no_longer_holds(tmp_path):
+    path = tmp_path / "api"
+    path.write_text(f"team-a={KEY}\nteam-b={KEY}b\n{KEY}c\n")
+    ring = KeyRing(str(path), None)
+    assert ring.refused() == {"api": False}
+    # team-b revoked and team-c added, in a file with one bad line.
+    path.write_text(f"team-a={KEY}\n{KEY}c\nteam-c={KEY}new\nbad name=x\n")
+    ring.check()
+    assert ring.refused() == {"api": True}
+    assert ring.identify(KEY) == Identity("team-a", admin=False)
+    assert ring.identify(KEY + "c") == Identity("key-3", admin=False)  # a bare key still held
+    assert ring.identify(KEY + "b") is None  # revoked even though the file is refused
+    assert ring.identify(KEY + "new") is None  # nothing new from a refused file
+    path.write_text(f"team-a={KEY}\nteam-c={KEY}new\n")
+    ring.check()
+    assert ring.refused() == {"api": False} and ring.identify(KEY + "new") is not None
+
+
 def test_no_keys_files_serves_without_keys_and_an_unreadable_one_refuses_all(tmp_path):
     assert KeyRing(None, None).authenticate(None) is None
     ring = KeyRing(str(tmp_path / "missing"), None)

@@ -398,9 +398,13 @@ def test_keys_are_read_again_when_the_file_changes(client):
                 break
         assert (await client.request(key=new_key))[0] == 200
         assert (await client.request(key=PUBLIC_KEY))[0] == 401  # revoked
-        client.api_keys.write_text("team-a=short\n")  # refused: the last keys stay
+        # Refused (a bad line): the keys it still holds stay, those it dropped are revoked.
+        client.api_keys.write_text(f"team-a={new_key}\nteam-b=short\n")
         await asyncio.sleep(0.3)
         assert (await client.request(key=new_key))[0] == 200
+        client.api_keys.write_text("team-a=short\n")
+        await asyncio.sleep(0.3)
+        assert (await client.request(key=new_key))[0] == 401
 
     run(main())
 

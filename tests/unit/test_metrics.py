@@ -41,7 +41,7 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
 
 
 OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
-OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, m.BATCH_SIZES, "le"}
+OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, m.BATCH_SIZES, m.KEYS_FILE, "le"}
 
 
 @pytest.mark.own_cluster
@@ -69,6 +69,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.count_auth(m.NO_KEY, m.AUTH_INVALID)
     metrics.count_key_tokens("team-a", 7)
     metrics.set_arm_states_age(2.5)
+    metrics.set_keys_refused({"api": True, "admin": False})
     capture = m.CaptureMetrics("m1", "a")  # an arm's engine replica
     capture.count_written(3)
     capture.count_dropped(1)
@@ -114,6 +115,8 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.API_KEY_REQUESTS + "_total", key="-", result="invalid") == 1
     assert value(m.API_KEY_OUTPUT_TOKENS + "_total", key="team-a") == 7
     assert value(m.ARM_STATES_AGE) == 2.5
+    assert value(m.KEYS_FILE_REFUSED, keys="api") == 1
+    assert value(m.KEYS_FILE_REFUSED, keys="admin") == 0
     assert value(m.CAPTURED_RECORDS + "_total", arm="a") == 3
     assert value(m.CAPTURE_DROPPED + "_total", arm="a") == 1
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.025") == 1

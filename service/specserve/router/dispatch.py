@@ -332,6 +332,8 @@ class DispatchState:
                     logger.exception("config watch failed")
             try:
                 await asyncio.to_thread(self.keys.check)
+                if self.metrics is not None:
+                    self.metrics.set_keys_refused(self.keys.refused())
             except Exception:
                 logger.exception("keys file watch failed")
 

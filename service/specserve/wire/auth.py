@@ -80,13 +80,15 @@ def parse_keys(text: str, *, source: str = "<keys>") -> dict[str, bytes]:
 
 class KeysFile:
     """One keys file, read again when it changes (its inode, size or modification time: the
-    kubelet swaps a Secret's files in by a symlink)."""
+    kubelet swaps a Secret's files in by a symlink). A changed file that is refused takes no new
+    key and keeps only the keys it still holds: revoking a key works even in a file with a typo."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.keys: dict[str, bytes] = {}
         self._seen: tuple[int, int, int] | None = None
         self.loaded = False  # read successfully at least once
+        self.refused = False  # its newest version was refused
         self.check()
 
     def check(self) -> bool:
@@ -103,17 +105,39 @@ class KeysFile:
             return False
         try:
             raw = self.path.read_bytes()
-            if not stays_put(self.path, raw):
-                return False  # being written: read again at the next check
-            self._seen = seen
+        except OSError as exc:
+            logger.error("keys file %s cannot be read: %s", self.path, exc.strerror)
+            return False  # read again at the next check
+        if not stays_put(self.path, raw):
+            return False  # being written: read again at the next check
+        self._seen = seen
+        try:
             keys = parse_keys(raw.decode(), source=str(self.path))
-        except (OSError, UnicodeDecodeError, KeysFileError) as exc:
-            self._seen = seen
-            logger.error("keys file refused, the keys read before stay: %s", exc)
+        except (UnicodeDecodeError, KeysFileError) as exc:
+            self.refused = True
+            held = _digests_held(raw.decode(errors="replace"))
+            dropped = sorted(name for name, known in self.keys.items() if known not in held)
+            self.keys = {name: known for name, known in self.keys.items() if known in held}
+            logger.error(
+                "keys file refused; no new key taken, the keys read before stay%s: %s",
+                f" but those it no longer holds ({', '.join(dropped)})" if dropped else "",
+                exc,
+            )
             return False
-        self.keys, self.loaded = keys, True
+        self.keys, self.loaded, self.refused = keys, True, False
         logger.info("keys file %s: %d keys (%s)", self.path, len(keys), ", ".join(sorted(keys)))
         return True
+
+
+def _digests_held(text: str) -> set[bytes]:
+    """The digests of every key a file's lines hold, each line read on its own (a bad line does
+    not hide the good ones)."""
+    held = set()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            held.add(digest(line.partition("=")[2].strip() if "=" in line else line))
+    return held
 
 
 class KeyRing:
@@ -134,6 +158,10 @@ class KeyRing:
     def check(self) -> None:
         for keys_file in self.files.values():
             keys_file.check()
+
+    def refused(self) -> dict[str, bool]:
+        """Whether each configured keys file (`api`, `admin`) is refused now."""
+        return {"admin" if admin else "api": f.refused for admin, f in self.files.items()}
 
     def identify(self, key: str) -> Identity | None:
         """The identity of a presented key, None for no configured key. Every digest is

@@ -115,10 +115,27 @@ COMPILATION_REFUSED = (
     "loaded from"
 )
 
-# Environment variables an arm may set: these prefixes (vLLM's own, the thread pools', the
-# collective and CUDA runtime's, the hub client's), and these names...
-ENV_ALLOWED_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "NCCL_", "CUDA_", "HF_HUB_")
-ENV_ALLOWED_NAMES = frozenset({"TOKENIZERS_PARALLELISM", "PYTORCH_CUDA_ALLOC_CONF"})
+# Environment variables an arm may set: these prefixes (the thread pools', the collective and
+# CUDA runtime's, the hub client's), and these names: of vLLM's own only the tuning and logging
+# ones, since others raise the caps the router's limits rely on (VLLM_MAX_N_SEQUENCES,
+# VLLM_MAX_COMPLETION_PROMPTS, media sizes and timeouts)...
+ENV_ALLOWED_PREFIXES = ("OMP_", "KMP_", "MKL_", "NCCL_", "CUDA_", "HF_HUB_")
+ENV_ALLOWED_NAMES = frozenset(
+    {
+        "TOKENIZERS_PARALLELISM",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU",
+        "VLLM_USE_FLASHINFER_MOE_FP4",  # the GB200 image's vLLM reads it
+        "VLLM_USE_FLASHINFER_SAMPLER",
+        "VLLM_USE_DEEP_GEMM",
+        "VLLM_LOGGING_LEVEL",
+        "VLLM_LOG_STATS_INTERVAL",
+        "VLLM_NO_USAGE_STATS",
+        "VLLM_DO_NOT_TRACK",
+    }
+)
 # ...but none that names a file, a directory or a library to load (CUDA_INJECTION64_PATH,
 # NCCL_NET_PLUGIN, OMP_TOOL_LIBRARIES, VLLM_NCCL_SO_PATH, NCCL_CONF_FILE, VLLM_CACHE_ROOT...),
 # nor a secret.
@@ -191,7 +208,8 @@ def env_refusal(name: str) -> str | None:
     if name in ENV_ALLOWED_NAMES or name.startswith(ENV_ALLOWED_PREFIXES):
         return None
     allowed = ", ".join([*(p + "*" for p in ENV_ALLOWED_PREFIXES), *sorted(ENV_ALLOWED_NAMES)])
-    return f"`{name}` is not on the environment allow-list ({allowed}); {_OPT_IN_ENV}"
+    why = " (vLLM's other variables may raise its own caps)" if name.startswith("VLLM_") else ""
+    return f"`{name}` is not on the environment allow-list{why} ({allowed}); {_OPT_IN_ENV}"
 
 
 def non_finite(value: Any, where: str) -> str | None:

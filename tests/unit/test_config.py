@@ -506,7 +506,13 @@ def test_the_engine_settings_the_projects_configs_use_are_allowed():
         ),
         ("OMP_TOOL_LIBRARIES", "`OMP_TOOL_LIBRARIES` names a file, directory, library or secret"),
         ("VLLM_CACHE_ROOT", "`VLLM_CACHE_ROOT` names a file, directory, library or secret"),
-        ("RAY_ADDRESS", "`RAY_ADDRESS` is not on the environment allow-list (VLLM_*, OMP_*"),
+        ("RAY_ADDRESS", "`RAY_ADDRESS` is not on the environment allow-list (OMP_*, KMP_*"),
+        ("VLLM_MAX_N_SEQUENCES", "`VLLM_MAX_N_SEQUENCES` is not on the environment allow-list "),
+        (
+            "VLLM_MAX_COMPLETION_PROMPTS",
+            "`VLLM_MAX_COMPLETION_PROMPTS` is not on the environment allow-list (vLLM's other "
+            "variables may raise its own caps)",
+        ),
     ],
 )
 def test_environment_variables_that_load_code_need_the_operators_opt_in(name, message):

@@ -808,3 +808,25 @@ def test_a_lone_surrogate_gets_400_and_a_real_pair_is_served(client, field):
         assert (await client.request(body=paired))[0] == 200
 
     run(main())
+
+
+def test_a_body_request_id_never_reaches_the_arm(client):
+    async def main():
+        own = {"model": MODEL, "prompt": "hi", "request_id": "not\nan id of ours"}
+        assert (await client.request(body=own))[0] == 200
+        assert "request_id" not in json.loads(client.arms.requests[-1]["body"])
+
+    run(main())
+
+
+def test_the_key_goes_no_further_on_the_routes_the_dispatch_passes_on(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch, exposed={"a"})
+
+    async def main():
+        await client.request(path="/v1/models", method="GET")
+        await client.request(path="/arms/a/v1/completions", key=ADMIN_KEY)
+        assert [r["path"] for r in client.arms.requests] == ["/v1/models", "/arms/a/v1/completions"]
+        for passed in client.arms.requests:
+            assert b"authorization" not in {name.lower() for name in passed["headers"]}
+
+    run(main())

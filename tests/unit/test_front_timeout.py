@@ -29,3 +29,22 @@ def test_a_request_past_its_limit_gets_504_even_when_the_engine_swallows_the_can
         assert caught.value.status == 504
 
     asyncio.run(main())
+
+
+def test_an_engine_error_is_logged_by_its_code_never_its_text(caplog):
+    secret = "the user's prompt: my password is hunter2"
+
+    async def failing_engine():
+        yield SimpleNamespace(
+            error=SimpleNamespace(code=500, message=secret, type="InternalServerError", param=None)
+        )
+
+    async def main():
+        with pytest.raises(OpenAIError) as caught:
+            await respond(failing_engine(), SimpleNamespace(stream=False), {}, timeout_s=5)
+        assert caught.value.status == 500 and "hunter2" not in caught.value.message
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(main())
+    assert "engine error 500 (InternalServerError)" in caplog.text
+    assert "hunter2" not in caplog.text

@@ -218,7 +218,8 @@ async def respond(
         await _close(generator)
         status = int(error.code) if str(error.code).isdigit() else 500
         if status >= 500:
-            logger.error("request %s: engine error %s: %s", request_id(), status, error.message)
+            # Its code and type, not its text: an engine's message may quote the prompt.
+            logger.error("request %s: engine error %s (%s)", request_id(), status, error.type)
             raise OpenAIError(status, "Internal Server Error", type="server_error")
         raise OpenAIError(status, error.message, type=error.type, param=error.param)
 

@@ -123,6 +123,7 @@ _REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
+BODY_REQUEST_ID = "request_id"  # vLLM's own body field: the answer's id when given
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "OPTIONS"})  # what any route here answers
 _ERROR_EVENT = b'data: {"error"'
 _SSE_DONE = SSE_DONE.encode()
@@ -380,7 +381,7 @@ class DispatchState:
         except OpenAIError as exc:
             await _send_error(send, exc, [_request_id(scope)])
             return
-        await app(scope, receive, send)
+        await app(_without_key(scope), receive, send)
 
     async def pass_to_arm(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """`/arms/<name>/...` from a client: the arm's own routes, only for arms deployed with
@@ -397,7 +398,7 @@ class DispatchState:
         except OpenAIError as exc:
             await _send_error(send, exc, [request_id])
             return
-        await app(scope, receive, send)
+        await app(_without_key(scope), receive, send)
 
     async def serve(
         self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, endpoint: str
@@ -439,7 +440,9 @@ class DispatchState:
                 record.arm = self._pick_arm(request_headers, data, loaded, record)
                 extra.append((_ARM, record.arm.encode()))
                 checked = check_limits(data, config, endpoint)
-                if checked.rewritten:  # given the configured token limit, or a bool `stream`
+                # A body's own request id would be the answer's id, past the rule for ids.
+                own_id = data.pop(BODY_REQUEST_ID, None) is not None
+                if checked.rewritten or own_id:  # the token limit, a bool `stream`, no id
                     raw = json.dumps(data).encode()
                 self._check_room(record.arm, config)
                 reserved = self._reserve(identity, config, checked.tokens)
@@ -969,6 +972,12 @@ def _passes_to_arm(name: bytes) -> bool:
         return False
     normalized = name.decode("latin-1").lower().replace("-", "_")
     return normalized != headers.RAY_SERVE_MULTIPLEXED_MODEL_ID
+
+
+def _without_key(scope: Scope) -> Scope:
+    """The request without its API key: checked here, it goes no further."""
+    name = headers.AUTHORIZATION.encode()
+    return {**scope, "headers": [h for h in scope["headers"] if h[0].lower() != name]}
 
 
 def _request_id(scope: Scope) -> tuple[bytes, bytes]:

@@ -248,7 +248,8 @@ class ArmEngineConfig(_Strict):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of the engine processes from the allow-list "
-        "(OMP_*, VLLM_CPU_KVCACHE_SPACE, ...; docs/config.md), others only by `allow_code_loading`.",
+        "(OMP_*, VLLM_CPU_KVCACHE_SPACE, ...; docs/config.md), others only by "
+        "`allow_code_loading`.",
     )
 
     def ongoing_per_replica(self) -> int:

@@ -321,6 +321,10 @@ def test_config_editor_role_grants_exactly_what_the_config_commands_use():
         ({"router": {"replicas": 0}}, "/router/replicas"),
         ({"workerGroups": []}, "/workerGroups"),
         ({"apiKeys": {"enabled": False}}, "set apiKeys.allowUnauthenticated: true"),
+        (
+            {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}},
+            "set ray.allowUnauthenticated: true",
+        ),
         ({"apiKeys": {"enabled": True, "bogus": 1}}, "'bogus' not allowed"),
         ({"networkPolicy": {"enabled": True, "apiFrom": [{}]}}, "/networkPolicy/apiFrom/0"),
         (
@@ -340,6 +344,12 @@ def test_bad_values_are_refused_naming_the_key(values, message):
     with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as info:
         generate.render(values)
     assert message in str(info.value)
+
+
+def test_ray_without_auth_renders_behind_the_network_policy_or_when_meant():
+    assert generate.render({"ray": {"auth": "disabled"}})  # the NetworkPolicy stays on
+    meant = {"ray": {"auth": "disabled", "allowUnauthenticated": True}}
+    assert generate.render({**meant, "networkPolicy": {"enabled": False}})
 
 
 def test_values_schema_config_part_is_generated_from_the_pydantic_schema():

@@ -82,6 +82,9 @@ the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers 
 {{- fail "apiKeys.enabled: false serves every route, the engines included, to anyone who reaches port 8000; set apiKeys.allowUnauthenticated: true as well to mean it" }}
 {{- end }}
 {{- end }}
+{{- if and (eq .Values.ray.auth "disabled") (not .Values.networkPolicy.enabled) (not .Values.ray.allowUnauthenticated) }}
+{{- fail "ray.auth: disabled with networkPolicy.enabled: false lets anyone who reaches a pod's Ray ports run code in it; set ray.allowUnauthenticated: true as well to mean it" }}
+{{- end }}
 {{- /* KubeRay appends 6 characters to a RayService's name for its RayCluster and refuses a
 RayService name over 47 characters, or one that is no DNS-1035 label. */}}
 {{- $fullname := include "specserve.fullname" . }}

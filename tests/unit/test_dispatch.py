@@ -327,8 +327,11 @@ def test_a_request_whose_replica_died_is_replayed_once_and_never_again(client):
         assert len(client.arms.requests) == 2  # the request and its one replay
         status, _, _ = await client.request()  # the same body again: no second replay
         assert status == 503 and len(client.arms.requests) == 3
-        status, _, _ = await client.request(body={"model": MODEL, "prompt": "other"})
-        assert len(client.arms.requests) == 5  # another body is replayed once
+        other = {"model": MODEL, "prompt": "other"}
+        status, _, _ = await client.request(body=other)
+        assert status == 503 and len(client.arms.requests) == 4  # this key's budget is spent
+        status, _, _ = await client.request(body=other, key=ADMIN_KEY)
+        assert len(client.arms.requests) == 6  # another key's body is replayed once
 
     run(main())
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-from specserve.router.replays import MAX_REMEMBERED, REMEMBER_S, Fate, ReplayedBodies
+from specserve.router.replays import (
+    MAX_REMEMBERED,
+    POISON_BUDGET_PER_KEY,
+    REMEMBER_S,
+    Fate,
+    ReplayedBodies,
+    replay_identity,
+)
 
 
 def run(coroutine):
@@ -70,5 +77,39 @@ def test_memory_is_bounded_and_a_forgotten_replay_releases_its_waiters():
         assert len(bodies._bodies) <= MAX_REMEMBERED
         assert await asyncio.wait_for(waiting, 1) is not None  # asked again, and admitted
         first.settle(Fate.REPLICA_DIED)  # late: the body was forgotten in between
+
+    run(main())
+
+
+def test_a_body_is_known_without_its_volatile_fields_and_by_its_key():
+    body = {"model": "m", "prompt": "poison", "max_tokens": 8}
+    same = replay_identity(body, "team-a")
+    varied = {"max_tokens": 8, "user": "u2", "seed": 7, "stream": True, **body}
+    assert replay_identity(varied, "team-a") == same
+    assert replay_identity({**body, "prompt": "poison!"}, "team-a") != same
+    assert replay_identity(body, "team-b") != same  # another key, another body
+
+    async def main():
+        bodies = ReplayedBodies()
+        (await bodies.admit(same, "team-a")).settle(Fate.REPLICA_DIED)
+        assert await bodies.admit(replay_identity(varied, "team-a"), "team-a") is None
+
+    run(main())
+
+
+def test_a_key_whose_body_killed_two_replicas_gets_no_more_replays_for_a_while():
+    now = [0.0]
+    bodies = ReplayedBodies(clock=lambda: now[0])
+
+    async def main():
+        for _ in range(POISON_BUDGET_PER_KEY):
+            ticket = await bodies.admit(b"poison-%d" % now[0], "mallory")
+            ticket.settle(Fate.REPLICA_DIED)
+            now[0] += 1
+        # A new body of the same key: not replayed (it would kill a second engine).
+        assert await bodies.admit(b"a new poison", "mallory") is None
+        assert await bodies.admit(b"a new poison", "alice") is not None  # other keys are not
+        now[0] += REMEMBER_S + 1
+        assert await bodies.admit(b"later", "mallory") is not None
 
     run(main())

@@ -65,7 +65,7 @@ from specserve.router.arm_states import (
 )
 from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
-from specserve.router.replays import Fate, ReplayedBodies
+from specserve.router.replays import Fate, ReplayedBodies, replay_identity
 from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
 from specserve.serve_config import (
     ADMIN_KEYS_FILE_ARG,
@@ -475,7 +475,8 @@ class DispatchState:
                 # running arm where the weights chose this one; a stream cut mid-way goes on from
                 # where it stood. Never a body whose replay lost its replica too: a request that
                 # kills an engine must not kill another.
-                ticket = await self.replayed.admit(raw)
+                owner = identity.name if identity is not None else None
+                ticket = await self.replayed.admit(replay_identity(data, owner), owner)
                 if ticket is not None:
                     failed_arm = record.arm
                     record.arm = self._replay_arm(record, config)
@@ -518,8 +519,8 @@ class DispatchState:
                         ticket.settle(fate)
                 else:
                     logger.warning(
-                        "arm %s: the replica failed, for a request whose replay lost its "
-                        "replica too; not replaying it",
+                        "arm %s: the replica failed, for a request whose replay (or that of "
+                        "another request of its key) lost its replica too; not replaying it",
                         record.arm,
                     )
             await exchange.finish()

@@ -287,6 +287,9 @@ def test_config_editor_role_grants_exactly_what_the_config_commands_use():
     from tests.deploy.test_config_rollout import RBAC
 
     assert granted == RBAC
+    (patch,) = [rule for rule in role["rules"] if "patch" in rule["verbs"] and rule["apiGroups"][0]]
+    service = one(render_objects("cpu"), "RayService")["metadata"]["name"]
+    assert patch["resourceNames"] == [service]  # no other release's RayService
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,12 @@ def standin(tmp_path, monkeypatch):
     yield standin
     standin.stop()
     assert standin.verbs <= RBAC, f"requests beyond the chart's Role: {standin.verbs - RBAC}"
+    patched = {
+        path.split("?")[0].rsplit("/", 1)[1]
+        for method, path, _ in standin.requests
+        if method == "PATCH" and "/rayservices/" in path
+    }
+    assert patched <= {SERVICE}, f"the Role patches only this release's RayService: {patched}"
 
 
 @pytest.fixture

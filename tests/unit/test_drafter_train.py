@@ -2,7 +2,9 @@
 early stopping, resuming."""
 
 import json
+import pickle
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from specserve.drafter.train import (
     batch_loss,
     captured_rms,
     collate,
+    load_records,
     offline_acceptance,
     plan_forwards,
     sequence_batch,
@@ -259,3 +262,21 @@ def test_offline_acceptance_is_the_same_batched_or_not():
     single = offline_acceptance(drafter(), records, steps=3, batch_tokens=0)
     assert batched.tokens == single.tokens
     assert batched.chain == pytest.approx(single.chain, abs=1e-6)
+
+
+class _RunsCodeWhenLoaded:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_shard_that_would_run_code_when_loaded_is_refused(tmp_path):
+    """Shards live on a volume other pods write: only tensors and plain data are read."""
+    marker = tmp_path / "ran"
+    shard = tmp_path / "shard-0.pt"
+    torch.save([{"input_ids": torch.zeros(3), "kind": _RunsCodeWhenLoaded(marker)}], shard)
+    with pytest.raises(pickle.UnpicklingError):
+        load_records([shard])
+    assert not marker.exists()

@@ -609,7 +609,12 @@ Serve config when an arm's engine changes. The config editor's Role and the loop
   verbs: [list, create, patch, delete]
 - apiGroups: [ray.io]
   resources: [rayservices]
-  verbs: [list, patch]
+  verbs: [list]
+# Patching a RayService chooses the code its pods run: this release's only.
+- apiGroups: [ray.io]
+  resources: [rayservices]
+  verbs: [patch]
+  resourceNames: [{{ include "specserve.fullname" . }}]
 {{- end }}
 
 {{- define "specserve.validateAdapt" -}}

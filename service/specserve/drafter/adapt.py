@@ -246,7 +246,7 @@ def replay_records(spec: dict, shards: list[Path]) -> list[dict]:
 
     def training_part():
         for shard in shards:
-            yield split_validation(torch.load(shard, weights_only=False, mmap=True))[0]
+            yield split_validation(torch.load(shard, weights_only=True, mmap=True))[0]
 
     return replay_pick(training_part(), spec["replay"]["count"])
 

@@ -104,7 +104,7 @@ def load_records(shards: list[Path]) -> list[dict]:
     every process that trains on them (Ray Train's workers) and given back under pressure."""
     records = []
     for shard in shards:
-        records += torch.load(shard, weights_only=False, mmap=True)
+        records += torch.load(shard, weights_only=True, mmap=True)
     return records
 
 
@@ -345,7 +345,7 @@ def train(
     history: list[dict] = []  # validation results, also written to validation.json
     checkpoint = out_dir / "checkpoint.pt"
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         update, position, order = state["update"], state["position"], state["order"]

@@ -14,12 +14,18 @@ def env_of(pod: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
 
 
-def test_off_by_default_nothing_is_mounted_or_named():
+def test_off_by_default_no_claim_and_engine_pods_capture_into_a_bounded_emptydir():
     objs = render_objects("cpu")
     assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
-    for pod in pod_specs(objs):
-        assert "capture-store" not in {v["name"] for v in pod["volumes"]}
-        assert "SPECSERVE_CAPTURE_DIR" not in env_of(pod)
+    mount_path = chart_values("cpu")["captureStore"]["mountPath"]
+    head, *workers = pod_specs(objs)
+    assert "capture-store" not in {v["name"] for v in head["volumes"]}
+    assert "SPECSERVE_CAPTURE_DIR" not in env_of(head)
+    assert workers
+    for pod in workers:
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["capture-store"]["emptyDir"] == {"sizeLimit": "2Gi"}
+        assert env_of(pod)["SPECSERVE_CAPTURE_DIR"] == mount_path
 
 
 def test_every_engine_pod_mounts_the_store_and_is_told_where_it_is():

@@ -102,6 +102,25 @@ def test_stats_purge_and_a_line_cut_by_a_crash(tmp_path):
     assert store.purge(tmp_path) == 4 and store.stats(tmp_path) == []
 
 
+def test_purging_everything_also_deletes_adapts_copies_and_keeps_its_drafters(tmp_path):
+    writer = CaptureWriter(tmp_path, "eagle3", "r1")
+    write(writer, 2)
+    writer.close()
+    work = tmp_path / "_adapt" / "work"
+    (work / "captured").mkdir(parents=True)
+    (work / "captured" / "shard-1.pt").write_bytes(b"token ids")
+    (work / "rows.json").write_text("{}")
+    (work / "candidates").mkdir()
+    drafters = tmp_path / "_adapt" / "drafters"
+    drafters.mkdir()
+    (drafters / "config.json").write_text("{}")
+    assert store.purge(tmp_path, arm="eagle3") == 2
+    assert (work / "rows.json").exists()  # one arm's purge leaves the mixed copies
+    assert store.purge(tmp_path) == 0
+    assert not (work / "rows.json").exists() and not (work / "captured").exists()
+    assert (work / "candidates").exists() and (drafters / "config.json").exists()
+
+
 def test_bounds_travel_in_a_header_and_nothing_else_passes_for_them():
     bounds = Bounds(max_records=500, max_age_s=60.0)
     assert Bounds.from_header(bounds.header()) == bounds

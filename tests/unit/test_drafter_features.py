@@ -62,6 +62,8 @@ def test_ranks_split_the_missing_shards_and_each_returns_every_path(tiny_target,
     assert written and written == {p for i, p in enumerate(first) if i % 2 == 0}
     second = data.capture_token_features(rows, str(target), out, layers, threads=1, part=(1, 2))
     assert second == first and all(p.exists() for p in first)
+    # Token ids of captured traffic: the owner's only.
+    assert {p.stat().st_mode & 0o777 for p in first} == {0o600}
     alone = data.capture_token_features(rows, str(target), tmp_path / "alone", layers, threads=1)
     assert [p.name for p in alone] == [p.name for p in first]
     records = torch.load(first[-1], weights_only=False)

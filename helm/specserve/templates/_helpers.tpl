@@ -247,6 +247,12 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 - name: capture-store
   persistentVolumeClaim:
     claimName: {{ default (printf "%s-capture" (include "specserve.fullname" $.root)) .existingClaim }}
+{{- else if $.engines }}
+{{- /* Without a store an arm's capture stays on the pod, bounded: past the limit the kubelet
+evicts the pod rather than let captured traffic fill the node's disk. */}}
+- name: capture-store
+  emptyDir:
+    sizeLimit: {{ .podSizeLimit }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -270,7 +276,7 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 {{- end }}
 {{- end }}
 {{- include "specserve.modelCacheMount" . }}
-{{- if and .root.Values.captureStore.enabled .engines }}
+{{- if .engines }}
 - name: capture-store
   mountPath: {{ .root.Values.captureStore.mountPath }}
 {{- end }}
@@ -312,7 +318,7 @@ config's volume: kubelet creates it there (nested ConfigMap and Secret mounts, K
 - name: HF_HOME
   value: {{ include "specserve.hfHome" . }}
 {{- end }}
-{{- if and .Values.captureStore.enabled $engines }}
+{{- if $engines }}
 # The arms' engine replicas keep their capture samples here (docs/capture.md).
 - name: SPECSERVE_CAPTURE_DIR
   value: {{ .Values.captureStore.mountPath }}

@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -226,10 +227,14 @@ def stats(directory: Path) -> list[ArmStats]:
 
 
 def purge(directory: Path, arm: str | None = None, older_than_s: float | None = None) -> int:
-    """Delete captured files (of one arm, or all; only those older than `older_than_s` if set);
-    returns how many records were deleted."""
+    """Delete captured files (of one arm, or all; only those older than `older_than_s` if set),
+    and the copies `drafter adapt` keeps beside them (`_adapt`) when all are purged; returns how
+    many records were deleted."""
     now = time.time()
     deleted = 0
+    if arm is None:
+        for work in _work_dirs(directory):
+            forget_copies(work, older_than_s)
     for arm_dir in _dirs(directory):
         if arm is not None and arm_dir.name != arm:
             continue
@@ -239,6 +244,37 @@ def purge(directory: Path, arm: str | None = None, older_than_s: float | None = 
             deleted += _count_lines(path)
             path.unlink(missing_ok=True)
     return deleted
+
+
+# What `drafter adapt` copies of the captured records into its work directory: the rows it
+# trains and validates on, and their hidden-state shards (drafter/adapt.py).
+CAPTURED_COPIES = ("rows.json", "captured", "captured-validation")
+
+
+def forget_copies(work: Path, older_than_s: float | None = None) -> None:
+    """Delete the copies of captured records in an adapt work directory (only those older than
+    `older_than_s` if set)."""
+    now = time.time()
+    for name in CAPTURED_COPIES:
+        path = work / name
+        with contextlib.suppress(FileNotFoundError):
+            if older_than_s is not None and now - path.stat().st_mtime <= older_than_s:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _work_dirs(directory: Path) -> list[Path]:
+    """Work directories of `drafter adapt` kept in the store (`_adapt/work` on Kubernetes): any
+    directory under a `_` one that holds one of the captured copies."""
+    found = []
+    for root in directory.glob("_*"):
+        for candidate in [root, *root.rglob("*")]:
+            if candidate.is_dir() and any((candidate / n).exists() for n in CAPTURED_COPIES):
+                found.append(candidate)
+    return found
 
 
 def read(directory: Path, arm: str | None = None) -> Iterator[Record]:

@@ -31,6 +31,7 @@ import hashlib
 import heapq
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -352,7 +353,7 @@ def adapt(config: AdaptConfig) -> dict:
     """Data, training, export and verdict (module docstring). Returns the report that
     `<work_dir>/adapt.json` holds; `report["accepted"]` names the copied candidate, if any."""
 
-    from specserve.drafter.pipeline import _isolated
+    from specserve.capture import store
     from specserve.models import resolve_drafter_source
 
     started = time.monotonic()
@@ -374,8 +375,31 @@ def adapt(config: AdaptConfig) -> dict:
             + f": {len(rows)} answers of {MIN_OUTPUT_TOKENS}+ tokens, {len(held_out)} held out "
             f"(at least {MIN_HELD_OUT} needed); let capture run longer or raise its sample"
         )
+    try:
+        return _adapt_on(config, base, rows, training, validation, held_out, started)
+    finally:
+        # Copies of captured traffic live no longer than the run (`capture purge` and the arms'
+        # `max_age_s` do not see them); the candidates and reports stay.
+        store.forget_copies(work)
+
+
+def _adapt_on(
+    config: AdaptConfig,
+    base: str,
+    rows: list[dict],
+    training: list[dict],
+    validation: list[dict],
+    held_out: list[dict],
+    started: float,
+) -> dict:
+    from specserve.drafter.pipeline import _isolated
+
+    work = config.work_dir
     rows_file = work / "rows.json"
-    rows_file.write_text(json.dumps({"training": training, "validation": validation}))
+    fd = os.open(rows_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also where an earlier run left it
+    with os.fdopen(fd, "w") as f:
+        json.dump({"training": training, "validation": validation}, f)
     replay = _replay_source(config, len(training))
     spec = {
         "target": config.target_dir,

@@ -261,6 +261,7 @@ def _write_shards(
         path = shards[index]
         tmp = path.with_suffix(f".tmp{rank}")
         torch.save(records, tmp)
+        tmp.chmod(0o600)  # token ids that decode to prompts and answers: the owner's only
         tmp.rename(path)
     return shards
 

@@ -781,14 +781,13 @@ _ODD_CHARACTERS = st.one_of(
 def test_odd_methods_and_strings_get_a_4xx_never_a_500(tmp_path_factory, method, text, field):
     """Any method name, and any string (lone surrogates included) in any field: the dispatch
     answers 405 or 400, or serves; never a 500, and never a method it does not route."""
-    client = Client(tmp_path_factory.mktemp("odd"), pytest.MonkeyPatch(), weight_b=1)
     body: dict = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     if field == "key":
         body[text] = 1
     else:
         body[field] = text
 
-    async def main():
+    async def main(client):
         status, found, answer = await client.request(body=body, method=method or "POST")
         assert status < 500, answer
         if (method or "POST") not in {"GET", "HEAD", "POST", "OPTIONS"}:
@@ -798,7 +797,9 @@ def test_odd_methods_and_strings_get_a_4xx_never_a_500(tmp_path_factory, method,
             # What the arm got encodes: the request never reached it otherwise.
             json.loads(client.arms.requests[-1]["body"]).__repr__().encode()
 
-    run(main())
+    # Hypothesis runs the examples in one test call: each patches and unpatches on its own.
+    with pytest.MonkeyPatch.context() as patch:
+        run(main(Client(tmp_path_factory.mktemp("odd"), patch, weight_b=1)))
 
 
 @pytest.mark.parametrize("field", ["user", "prompt"])

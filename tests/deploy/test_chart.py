@@ -11,7 +11,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from specserve import cluster_config
-from specserve.config import parse_config, revision_of
+from specserve.config import ArmEngineConfig, parse_config, revision_of
 from specserve.serve_config import (
     ADMIN_KEYS_FILE,
     API_KEYS_FILE,
@@ -358,6 +358,27 @@ def test_ray_without_auth_renders_behind_the_network_policy_or_when_meant():
 def test_values_schema_config_part_is_generated_from_the_pydantic_schema():
     committed = json.loads(generate.SCHEMA.read_text())
     assert committed == generate.values_schema(), "run `make generate`"
+    assert generate.GENERATED_TPL.read_text() == generate.generated_tpl(), "run `make generate`"
+
+
+def test_an_arm_with_capture_deploys_as_specserve_renders_it():
+    """`capture` is the router's: left in the engine application's args, ArmEngineConfig refuses
+    it and the application never deploys."""
+    values = _merge_chart_values("cpu")
+    arms = values["config"]["arms"]
+    arms[1] = {**arms[1], "capture": {"sample": 0.05, "max_records": 1000}}
+    objs = render_objects("cpu", config={**values["config"], "arms": arms})
+    document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    expected = serve_config(
+        parse_config(yaml.safe_dump({**values["config"], "arms": arms})),
+        config_path=MOUNTED_CONFIG_PATH,
+        config_poll_s=values["router"]["configPollSeconds"],
+        router_replicas=values["router"]["replicas"],
+        **KEY_FILES,
+    )
+    assert document == expected
+    for app in document["applications"][1:]:
+        ArmEngineConfig.model_validate(app["args"]["arm"])  # what the arm's builder takes
 
 
 def _chart_values() -> dict:

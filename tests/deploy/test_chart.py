@@ -276,6 +276,21 @@ def test_dashboards_are_configmaps_for_grafanas_sidecar():
     ]
 
 
+def test_dashboard_configmaps_have_names_of_their_own_for_every_release_name_length():
+    values = generate._merge(
+        generate.profile_values("cpu"), {"monitoring": {"dashboards": {"enabled": True}}}
+    )
+    for length in range(1, 38):  # a fullname "<release>-specserve" of at most 47
+        objs = generate.objects(generate.render(values, name="r" * length))
+        names = [
+            o["metadata"]["name"]
+            for o in by_kind(objs, "ConfigMap")
+            if "grafana_dashboard" in o["metadata"]["labels"]
+        ]
+        assert len(names) == 2 and len(set(names)) == 2, (length, names)
+        assert all(len(name) <= 63 for name in names)
+
+
 def test_config_editor_role_grants_exactly_what_the_config_commands_use():
     role = one(render_objects("cpu"), "Role")
     granted = {

@@ -402,3 +402,29 @@ def _chart_values() -> dict:
 
 def _merge_chart_values(profile: str) -> dict:
     return generate._merge(_chart_values(), generate.profile_values(profile))
+
+
+def test_the_head_is_kept_from_drains_and_out_of_the_api_service():
+    objs = render_objects("cpu")
+    service = one(objs, "RayService")
+    assert service["spec"]["excludeHeadPodFromServeSvc"] is True
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 0
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    workers = [
+        g["template"]["metadata"]["labels"]
+        for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    ]
+    selector = pdb["spec"]["selector"]["matchLabels"].items()
+    assert selector <= head.items()  # the head, and no worker
+    assert not any(selector <= labels.items() for labels in workers)
+    assert "gcsFaultToleranceOptions" not in service["spec"]["rayClusterConfig"]
+
+
+def test_gcs_fault_tolerance_with_an_external_redis():
+    ft = {"redisAddress": "redis.llm.svc:6379", "redisPasswordSecret": {"name": "r", "key": "p"}}
+    objs = render_objects("cpu", ray={"version": "2.60.0", "gcsFaultTolerance": ft})
+    validate_all(objs)
+    options = one(objs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options["redisAddress"] == "redis.llm.svc:6379"
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "p"}

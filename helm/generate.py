@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "specserve"
 SCHEMA = CHART / "values.schema.json"
+GENERATED_TPL = CHART / "templates" / "_generated.tpl"
 K8S = ROOT / "k8s"
 PROFILES = {"cpu": [], "gb200": [CHART / "values-gb200.yaml"]}
 # What an install adds on the command line for the cluster's own things: GB200's model cache
@@ -190,8 +191,23 @@ def _image_entry(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
     return {"name": name, "newName": name, "newTag": tag}
 
 
+def generated_tpl() -> str:
+    """Template definitions whose source of truth is Python: an arm's keys the router applies
+    itself or that become Ray Serve deployment options, never the engine application's args
+    (config.py's ROUTER_SIDE and DEPLOYMENT_OPTIONS)."""
+    from specserve.config import DEPLOYMENT_OPTIONS, ROUTER_SIDE
+
+    keys = " ".join(sorted({*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}))
+    return (
+        "{{- /* Generated from service/specserve/config.py by `make generate` (helm/generate.py);"
+        " do not edit. */}}\n"
+        '{{- define "specserve.notEngineArgs" -}}\n' + keys + "\n{{- end }}\n"
+    )
+
+
 def main() -> int:
     SCHEMA.write_text(json.dumps(values_schema(), indent=2) + "\n")
+    GENERATED_TPL.write_text(generated_tpl())
     shutil.rmtree(K8S, ignore_errors=True)
     for path, text in k8s_files().items():
         (K8S / path).parent.mkdir(parents=True, exist_ok=True)

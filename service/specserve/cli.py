@@ -548,10 +548,21 @@ def _loop(args: argparse.Namespace) -> int:
             return 3
         candidate = Path(adapted["accepted"])
     experiment = loop.Experiment(Prometheus(args.prometheus), config)
+
+    def _terminated(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt  # the loop removes its challenger on the way out
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         report = loop.Loop(config, live_text, apply, experiment).run(candidate.resolve())
     except loop.LoopError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("loop stopped before a verdict; its challenger was taken out", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"error: the loop stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         loop.write_report(report, args.json)

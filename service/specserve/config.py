@@ -460,8 +460,8 @@ class LimitsConfig(_Strict):
         16384,
         gt=0,
         le=MAX_TOKENS_BOUND,
-        description="Largest `n` x `max_tokens` (every choice's tokens) of one request; more "
-        "is a 400.",
+        description="Largest prompts x `n` x `max_tokens` (every answer's tokens) of one "
+        "request; more is a 400.",
     )
     body_timeout_s: float = Field(
         30,
@@ -469,6 +469,13 @@ class LimitsConfig(_Strict):
         le=3600,
         description="A request body still arriving after this long is refused (408): a slow "
         "client cannot hold a connection and its buffer open. At most an hour.",
+    )
+    prefix_cache_per_key: bool = Field(
+        False,
+        description="Give each API key a prefix cache of its own (vLLM's `cache_salt`, set by "
+        "the router; a client's own is replaced): no key can tell from an answer's speed what "
+        "another key's prompts began with. Costs the sharing of common prefixes (a system "
+        "prompt) between keys.",
     )
     per_key: dict[str, KeyLimit] = Field(
         default_factory=dict,

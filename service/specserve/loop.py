@@ -36,13 +36,14 @@ from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config import RouterConfig, parse_config
 
-PROMOTED, ROLLED_BACK, DRAINED, MISMATCH, TIMED_OUT, NO_CANDIDATE = (
+PROMOTED, ROLLED_BACK, DRAINED, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
     "promoted",
     "rolled back",
     "drained by the guardrail",
     "sample-ratio mismatch",
     "no verdict in time",
     "no candidate better offline",
+    "stopped before a verdict",
 )
 
 
@@ -179,14 +180,42 @@ class Loop:
         self.experiment, self.log, self.sleep, self.clock = experiment, log, sleep, clock
         self.steps: list[Step] = []
         self.rows: list[dict[str, Any]] = []
+        self._ended = False  # the experiment reached an outcome (and `_end` ran)
 
     def run(self, candidate: Path) -> dict[str, Any]:
-        """-> {outcome, reason, challenger, steps, rows}."""
+        """-> {outcome, reason, challenger, steps, rows}. Whatever stops it before a verdict (an
+        error, Ctrl-C, a termination signal raised as an exception) removes the challenger
+        first, so nothing is left serving unwatched; then the error goes on."""
         c = self.config
         text, routed, challenger = with_challenger(
             self.live_text(), c.incumbent, candidate, c.share
         )
-        self._step(f"challenger {challenger} added", text, routed)
+        try:
+            self._step(f"challenger {challenger} added", text, routed)
+            return self._experiment(challenger)
+        except BaseException as exc:
+            if not self._ended:
+                self._remove_after(challenger, exc)
+            raise
+
+    def _remove_after(self, challenger: str, exc: BaseException) -> None:
+        """Take the challenger out of the live config, if it is there, after `exc` stopped
+        the loop; a failure to do so is logged beside the error that stopped it."""
+        try:
+            live = self.live_text()
+            if challenger not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
+                return
+            self.log(f"stopped by {type(exc).__name__}: removing challenger {challenger}")
+            text, routed = without(live, challenger)
+            self._step(f"challenger {challenger} removed: {ABORTED}", text, routed)
+        except Exception as cleanup:
+            self.log(
+                f"could not remove challenger {challenger} ({cleanup}); remove it with "
+                "`specserve config rollback`"
+            )
+
+    def _experiment(self, challenger: str) -> dict[str, Any]:
+        c = self.config
         deadline = self.clock() + c.start_timeout_s
         while self._served(challenger) < 1:
             if self.clock() > deadline:
@@ -238,6 +267,7 @@ class Loop:
         else:
             text, routed = without(self.live_text(), challenger)
             self._step(f"challenger {challenger} removed: {outcome}", text, routed)
+        self._ended = True
         return {
             "outcome": outcome,
             "reason": reason,

@@ -64,9 +64,14 @@ def test_the_job_runs_adapt_on_the_capture_store_in_a_cluster_of_its_own():
         assert "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" not in env  # it serves nothing
 
 
+GATED = {"version": "1.7.0", "featureGates": ["RayCronJob"]}
+
+
 def test_a_schedule_makes_it_a_raycronjob_with_the_same_job():
     once = one(render_objects("cpu", captureStore=STORE, adapt=ADAPT), "RayJob")
-    objs = render_objects("cpu", captureStore=STORE, adapt={**ADAPT, "schedule": "0 3 * * 0"})
+    objs = render_objects(
+        "cpu", captureStore=STORE, adapt={**ADAPT, "schedule": "0 3 * * 0"}, kuberay=GATED
+    )
     validate_all(objs)
     cron = one(objs, "RayCronJob")
     assert not by_kind(objs, "RayJob")
@@ -164,3 +169,24 @@ def test_the_loop_job_is_off_with_adapt_alone_and_needs_a_prometheus():
         {"captureStore": STORE, "adapt": {**ADAPT, "loop": {"enabled": True}}},
     )
     assert "adapt.loop.prometheusUrl" in refused(no_url)
+
+
+def test_a_schedule_needs_the_operators_raycronjob_feature_gate():
+    """KubeRay 1.7 accepts a RayCronJob with the gate off and never runs it."""
+    values = generate._merge(
+        generate.profile_values("cpu"),
+        {"captureStore": STORE, "adapt": {**ADAPT, "schedule": "0 3 * * 0"}},
+    )
+    assert "RayCronJob feature gate" in refused(values)
+
+
+def test_adapt_job_names_past_kuberays_limits_are_refused():
+    values = generate._merge(
+        generate.profile_values("cpu"), {"captureStore": STORE, "adapt": ADAPT}
+    )
+    # "<release>-specserve-adapt": 47 characters pass as a RayJob, 48 do not.
+    assert one(generate.objects(generate.render(values, name="r" * 31)), "RayJob")
+    assert "at most 47" in refused(values, name="r" * 32)
+    cron = generate._merge(values, {"adapt": {"schedule": "0 3 * * 0"}, "kuberay": GATED})
+    assert one(generate.objects(generate.render(cron, name="r" * 20)), "RayCronJob")
+    assert "at most 36" in refused(cron, name="r" * 21)

@@ -11,7 +11,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from specserve import cluster_config
-from specserve.config import parse_config, revision_of
+from specserve.config import ArmEngineConfig, parse_config, revision_of
 from specserve.serve_config import (
     ADMIN_KEYS_FILE,
     API_KEYS_FILE,
@@ -276,6 +276,21 @@ def test_dashboards_are_configmaps_for_grafanas_sidecar():
     ]
 
 
+def test_dashboard_configmaps_have_names_of_their_own_for_every_release_name_length():
+    values = generate._merge(
+        generate.profile_values("cpu"), {"monitoring": {"dashboards": {"enabled": True}}}
+    )
+    for length in range(1, 38):  # a fullname "<release>-specserve" of at most 47
+        objs = generate.objects(generate.render(values, name="r" * length))
+        names = [
+            o["metadata"]["name"]
+            for o in by_kind(objs, "ConfigMap")
+            if "grafana_dashboard" in o["metadata"]["labels"]
+        ]
+        assert len(names) == 2 and len(set(names)) == 2, (length, names)
+        assert all(len(name) <= 63 for name in names)
+
+
 def test_config_editor_role_grants_exactly_what_the_config_commands_use():
     role = one(render_objects("cpu"), "Role")
     granted = {
@@ -358,6 +373,27 @@ def test_ray_without_auth_renders_behind_the_network_policy_or_when_meant():
 def test_values_schema_config_part_is_generated_from_the_pydantic_schema():
     committed = json.loads(generate.SCHEMA.read_text())
     assert committed == generate.values_schema(), "run `make generate`"
+    assert generate.GENERATED_TPL.read_text() == generate.generated_tpl(), "run `make generate`"
+
+
+def test_an_arm_with_capture_deploys_as_specserve_renders_it():
+    """`capture` is the router's: left in the engine application's args, ArmEngineConfig refuses
+    it and the application never deploys."""
+    values = _merge_chart_values("cpu")
+    arms = values["config"]["arms"]
+    arms[1] = {**arms[1], "capture": {"sample": 0.05, "max_records": 1000}}
+    objs = render_objects("cpu", config={**values["config"], "arms": arms})
+    document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    expected = serve_config(
+        parse_config(yaml.safe_dump({**values["config"], "arms": arms})),
+        config_path=MOUNTED_CONFIG_PATH,
+        config_poll_s=values["router"]["configPollSeconds"],
+        router_replicas=values["router"]["replicas"],
+        **KEY_FILES,
+    )
+    assert document == expected
+    for app in document["applications"][1:]:
+        ArmEngineConfig.model_validate(app["args"]["arm"])  # what the arm's builder takes
 
 
 def _chart_values() -> dict:
@@ -366,3 +402,29 @@ def _chart_values() -> dict:
 
 def _merge_chart_values(profile: str) -> dict:
     return generate._merge(_chart_values(), generate.profile_values(profile))
+
+
+def test_the_head_is_kept_from_drains_and_out_of_the_api_service():
+    objs = render_objects("cpu")
+    service = one(objs, "RayService")
+    assert service["spec"]["excludeHeadPodFromServeSvc"] is True
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 0
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    workers = [
+        g["template"]["metadata"]["labels"]
+        for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    ]
+    selector = pdb["spec"]["selector"]["matchLabels"].items()
+    assert selector <= head.items()  # the head, and no worker
+    assert not any(selector <= labels.items() for labels in workers)
+    assert "gcsFaultToleranceOptions" not in service["spec"]["rayClusterConfig"]
+
+
+def test_gcs_fault_tolerance_with_an_external_redis():
+    ft = {"redisAddress": "redis.llm.svc:6379", "redisPasswordSecret": {"name": "r", "key": "p"}}
+    objs = render_objects("cpu", ray={"version": "2.60.0", "gcsFaultTolerance": ft})
+    validate_all(objs)
+    options = one(objs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options["redisAddress"] == "redis.llm.svc:6379"
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "p"}

@@ -29,6 +29,17 @@ def test_a_keys_file_holds_named_and_bare_keys_as_digests():
     assert all(KEY not in repr(v) for v in keys.values())
 
 
+def test_a_keys_file_may_hold_digests_in_place_of_keys(tmp_path):
+    import hashlib
+
+    hexdigest = hashlib.sha256(KEY.encode()).hexdigest()
+    (tmp_path / "api").write_text(f"team-a=sha256:{hexdigest}\nteam-b={KEY}b\n")
+    ring = KeyRing(str(tmp_path / "api"), None)
+    assert ring.identify(KEY) == Identity("team-a", admin=False)  # the key, not its digest
+    assert ring.identify(f"sha256:{hexdigest}") is None
+    assert ring.identify(KEY + "b") == Identity("team-b", admin=False)  # both forms at once
+
+
 @pytest.mark.parametrize(
     "text, problem",
     [

@@ -834,3 +834,32 @@ def test_the_key_goes_no_further_on_the_routes_the_dispatch_passes_on(tmp_path, 
             assert b"authorization" not in {name.lower() for name in passed["headers"]}
 
     run(main())
+
+
+def test_each_key_gets_a_prefix_cache_of_its_own_when_configured(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch)
+    client.config.write_text(
+        client.config.read_text().replace(
+            "body_timeout_s: 0.5", "body_timeout_s: 0.5, prefix_cache_per_key: true"
+        )
+    )
+
+    async def main():
+        await asyncio.sleep(0.3)  # the config is read again
+        salts = []
+        for key in (PUBLIC_KEY, ADMIN_KEY, PUBLIC_KEY):
+            body = {"model": MODEL, "prompt": "hi", "cache_salt": "someone else's"}
+            assert (await client.request(body=body, key=key))[0] == 200
+            salts.append(json.loads(client.arms.requests[-1]["body"])["cache_salt"])
+        assert salts[0] == salts[2] != salts[1] and "someone else's" not in salts
+
+    run(main())
+
+
+def test_without_the_setting_a_clients_own_salt_passes(client):
+    async def main():
+        body = {"model": MODEL, "prompt": "hi", "cache_salt": "mine"}
+        assert (await client.request(body=body))[0] == 200
+        assert json.loads(client.arms.requests[-1]["body"])["cache_salt"] == "mine"
+
+    run(main())

@@ -159,3 +159,49 @@ def test_prometheus_out_of_reach_is_asked_again_at_the_next_poll(tmp_path):
     report, local, _ = run(tmp_path, experiment)
     assert experiment.failed == {"served", "drained"}
     assert report["outcome"] == loop.PROMOTED and len(report["rows"]) == 2
+
+
+class Failing(Scripted):
+    """The experiment stops with `error` at its second reading."""
+
+    def __init__(self, error: BaseException):
+        super().__init__([1], [row(KEEP_TESTING)])
+        self.error = error
+
+    def verdict(self, challenger: str, since: float) -> dict:
+        if self.polls >= 2:
+            raise self.error
+        return super().verdict(challenger, since)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("apply failed"), KeyboardInterrupt()])
+def test_whatever_stops_the_loop_takes_its_challenger_out_first(tmp_path, error):
+    with pytest.raises(type(error)):
+        run(tmp_path, Failing(error))
+    local = LocalConfig(tmp_path / "config.yaml")
+    assert arms(local.live_text()) == arms(DEFAULT.read_text())
+    assert len(local.records()) == 3  # the original, the challenger's, its removal
+
+
+def test_a_promotion_that_cannot_be_applied_still_takes_the_challenger_out(tmp_path):
+    live = tmp_path / "config.yaml"
+    live.write_text(DEFAULT.read_text())
+    local = LocalConfig(live)
+    applied = []
+
+    def apply(text, routed) -> str:
+        if len(applied) == 1 and "takes" not in "".join(applied):  # the promotion's write
+            applied.append("failed once")
+            raise RuntimeError("the API server refused the write")
+        applied.append("ok")
+        return local.apply(text, routed).new_revision
+
+    settings = loop.LoopConfig(incumbent="eagle3.1", poll_s=30, max_wait_s=600)
+    now = [0.0]
+    experiment = Scripted([1], [row(PROMOTE)])
+    with pytest.raises(RuntimeError):
+        loop.Loop(
+            settings, local.live_text, apply, experiment, log=lambda _: None,
+            sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0],
+        ).run(CANDIDATE)  # fmt: skip
+    assert arms(local.live_text()) == arms(DEFAULT.read_text())  # no challenger, no promotion

@@ -256,3 +256,11 @@ def test_every_stream_asks_for_the_usage_chunk_however_it_is_spelled(stream):
     assert body.stream is True and body.stream_options.include_usage is True
     kept = validate_request({**data, "stream": 0}, COMPLETIONS)
     assert not kept.stream and kept.stream_options is None
+
+
+def test_the_salt_a_key_is_given_is_one_the_engine_takes():
+    from specserve.wire.requests import salt_for_key
+
+    data = body_for(COMPLETIONS, max_tokens=5)
+    salt_for_key(data, "team-a")
+    assert validate_request(data, COMPLETIONS).cache_salt == data["cache_salt"]

@@ -195,7 +195,11 @@ every HTTP proxy reads them and re-reads them when kubelet updates the mount. */
 {{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs "deployments" (list $routerDeployment) }}
 {{- $apps := list $router }}
 {{- range .Values.config.arms }}
-{{- $args := dict "model" $.Values.config.model "arm" (omit . "weight" "replicas" "max_ongoing_requests" "max_queued_requests" "max_surge_percent") }}
+{{- /* The arm's keys the router applies itself or that are deployment options are no engine
+args (ArmEngineConfig refuses them): the list is generated from config.py (_generated.tpl). */}}
+{{- $engineArm := deepCopy . }}
+{{- range splitList " " (include "specserve.notEngineArgs" $) }}{{- $_ := unset $engineArm . }}{{- end }}
+{{- $args := dict "model" $.Values.config.model "arm" $engineArm }}
 {{- $app := dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args }}
 {{- /* Replica and queue settings as deployment options, named as Ray Serve names them (config.py's
 DEPLOYMENT_OPTIONS): Ray Serve applies them in place. */}}

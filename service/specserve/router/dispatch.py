@@ -94,6 +94,7 @@ from specserve.wire.requests import (
     body_too_slow,
     check_limits,
     parse_body,
+    salt_for_key,
     wants_usage,
 )
 from specserve.wire.resume import ResumePoint, resumable, resume_point
@@ -441,8 +442,11 @@ class DispatchState:
                 extra.append((_ARM, record.arm.encode()))
                 checked = check_limits(data, config, endpoint)
                 # A body's own request id would be the answer's id, past the rule for ids.
-                own_id = data.pop(BODY_REQUEST_ID, None) is not None
-                if checked.rewritten or own_id:  # the token limit, a bool `stream`, no id
+                rewritten = data.pop(BODY_REQUEST_ID, None) is not None or checked.rewritten
+                if config.limits.prefix_cache_per_key and identity is not None:
+                    salt_for_key(data, identity.name)
+                    rewritten = True
+                if rewritten:  # the token limit, a bool `stream`, no id, the key's salt
                     raw = json.dumps(data).encode()
                 self._check_room(record.arm, config)
                 reserved = self._reserve(identity, config, checked.tokens)

@@ -53,6 +53,17 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+# A keys file may hold a key's SHA-256 digest in its place (`name=sha256:<64 hex digits>`), so
+# that the file on every pod's disk does not give the key away.
+STORED_DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
+
+
+def stored_digest(key: str) -> bytes:
+    """The digest a keys file's entry stands for: the digest it holds, or its key's."""
+    held = STORED_DIGEST.fullmatch(key)
+    return bytes.fromhex(held.group(1)) if held else digest(key)
+
+
 def parse_keys(text: str, *, source: str = "<keys>") -> dict[str, bytes]:
     """Key name -> digest of the key, from a keys file's text. A bare key is named `key-N`
     (its place among the file's keys)."""
@@ -74,7 +85,7 @@ def parse_keys(text: str, *, source: str = "<keys>") -> dict[str, bytes]:
             )
         if name in found:
             raise KeysFileError(f"{source}, line {number}: key name {name!r} appears twice")
-        found[name] = digest(key)
+        found[name] = stored_digest(key)
     return found
 
 
@@ -136,7 +147,7 @@ def _digests_held(text: str) -> set[bytes]:
     for raw in text.splitlines():
         line = raw.strip()
         if line and not line.startswith("#"):
-            held.add(digest(line.partition("=")[2].strip() if "=" in line else line))
+            held.add(stored_digest(line.partition("=")[2].strip() if "=" in line else line))
     return held
 
 

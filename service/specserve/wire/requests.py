@@ -7,6 +7,7 @@ the request schema itself is checked by the arm that serves the request (wire/va
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,14 @@ def _decide_stream(data: dict[str, Any]) -> bool:
         return False  # not a bool at all: the arm's validation refuses it, naming the field
     data["stream"] = stream
     return True
+
+
+CACHE_SALT = "cache_salt"  # vLLM's: prompts share cached blocks only under the same salt
+
+
+def salt_for_key(data: dict[str, Any], key_name: str) -> None:
+    """Put the request in its API key's own prefix cache, whatever salt the client sent."""
+    data[CACHE_SALT] = hashlib.sha256(f"specserve-key:{key_name}".encode()).hexdigest()
 
 
 def wants_usage(data: dict[str, Any]) -> bool:

@@ -32,7 +32,10 @@ def redeploy_with_k2_under_traffic(live, no_spec_before: set, ngram_before: set)
     with steady_traffic(live, "no-spec") as other, steady_traffic(live, "ngram") as changed:
         live.write_config(render_config(k=2))
         live.platform.deploy(load_config(live.config_path))
-        live.platform.wait_until_running(timeout_s=300)
+        # The new engine starts on the core its predecessor serves from: on a 2-core machine its
+        # start took 90-108 s in two runs and 285-293 s in three others (bimodal, cause not yet
+        # found), so the bound leaves room for the slow case; the test is about dropped requests.
+        live.platform.wait_until_running(timeout_s=600)
     print(f"while ngram redeployed: no-spec served {len(other)}, ngram {len(changed)} requests")
     assert len(other) >= 5 and set(other) == {200}  # none dropped on the other arm
     assert len(changed) >= 5 and set(changed) == {200}  # nor on the arm being redeployed

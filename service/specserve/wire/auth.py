@@ -117,8 +117,9 @@ class KeysFile:
         try:
             raw = self.path.read_bytes()
         except OSError as exc:
+            self._seen = seen  # logged once; read again when the file changes
             logger.error("keys file %s cannot be read: %s", self.path, exc.strerror)
-            return False  # read again at the next check
+            return False
         if not stays_put(self.path, raw):
             return False  # being written: read again at the next check
         self._seen = seen

@@ -559,7 +559,10 @@ def _loop(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("loop stopped before a verdict; its challenger was taken out", file=sys.stderr)
+        print(
+            "loop stopped before a verdict (the lines above say what became of its challenger)",
+            file=sys.stderr,
+        )
         return 130
     except Exception as exc:
         print(f"error: the loop stopped: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionReq
 from vllm.exceptions import VLLMValidationError
 
 from specserve.wire.errors import OpenAIError, from_validation_error
-from specserve.wire.requests import CHAT, COMPLETIONS
+from specserve.wire.requests import CHAT, COMPLETIONS, as_bool
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     CHAT: ChatCompletionRequest,
@@ -29,13 +29,12 @@ def validate_request(data: dict[str, Any], endpoint: str) -> Any:
     if endpoint == CHAT and not isinstance(data.get("messages", []), list):
         # vLLM's before-validators iterate `messages` unchecked: a number would be a TypeError.
         raise OpenAIError(400, "messages: must be an array of messages", param="messages")
+    stream_options = data.get("stream_options")
+    if as_bool(data.get("stream")) and (stream_options is None or isinstance(stream_options, dict)):
+        # Read as the validation reads a bool ("stream": 1 streams too): the final usage chunk
+        # carries the token count the key is charged and the spec-decode stats.
+        data = {**data, "stream_options": {**(stream_options or {}), "include_usage": True}}
     body = _validate(data, endpoint)
-    options = body.stream_options
-    if body.stream and not (options is not None and options.include_usage):
-        # Decided on the validated body ("stream": 1 streams too): the final usage chunk carries
-        # the token count the key is charged and the spec-decode stats.
-        forced = {**(data.get("stream_options") or {}), "include_usage": True}
-        body = _validate({**data, "stream": True, "stream_options": forced}, endpoint)
     if endpoint == CHAT:
         _check_roles(data["messages"])
     else:

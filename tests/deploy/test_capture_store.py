@@ -14,15 +14,20 @@ def env_of(pod: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
 
 
-def test_off_by_default_no_claim_and_engine_pods_capture_into_a_bounded_emptydir():
-    objs = render_objects("cpu")
-    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
-    mount_path = chart_values("cpu")["captureStore"]["mountPath"]
+def engine_pods(objs: list[dict]) -> list[dict]:
+    """The worker pods, where engines capture; the head (no engine) has no capture volume."""
     head, *workers = pod_specs(objs)
     assert "capture-store" not in {v["name"] for v in head["volumes"]}
     assert "SPECSERVE_CAPTURE_DIR" not in env_of(head)
     assert workers
-    for pod in workers:
+    return workers
+
+
+def test_off_by_default_no_claim_and_engine_pods_capture_into_a_bounded_emptydir():
+    objs = render_objects("cpu")
+    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    mount_path = chart_values("cpu")["captureStore"]["mountPath"]
+    for pod in engine_pods(objs):
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["capture-store"]["emptyDir"] == {"sizeLimit": "2Gi"}
         assert env_of(pod)["SPECSERVE_CAPTURE_DIR"] == mount_path
@@ -35,11 +40,7 @@ def test_every_engine_pod_mounts_the_store_and_is_told_where_it_is():
     assert claim["spec"]["storageClassName"] == "nfs"
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     mount_path = chart_values("cpu")["captureStore"]["mountPath"]
-    head, *workers = pod_specs(objs)
-    assert "capture-store" not in {v["name"] for v in head["volumes"]}
-    assert "SPECSERVE_CAPTURE_DIR" not in env_of(head)
-    assert workers
-    for pod in workers:
+    for pod in engine_pods(objs):
         claims = {
             v["name"]: v["persistentVolumeClaim"]["claimName"]
             for v in pod["volumes"]

@@ -108,19 +108,10 @@ def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendere
 
 def test_an_arms_replica_and_queue_settings_render_as_its_deployment_options():
     """Outside the builder's args, so that Ray Serve applies a change to them in place."""
-    values = _merge_chart_values("cpu")
-    arms = values["config"]["arms"]
-    arms[0] = {**arms[0], "replicas": 2, "max_ongoing_requests": 8, "max_surge_percent": 100}
-    objs = render_objects("cpu", config={**values["config"], "arms": arms})
-    document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
-    ServeDeploySchema.model_validate(document)
-    expected = serve_config(
-        parse_config(yaml.safe_dump({**values["config"], "arms": arms})),
-        config_path=MOUNTED_CONFIG_PATH,
-        config_poll_s=values["router"]["configPollSeconds"],
-        router_replicas=values["router"]["replicas"],
-        **KEY_FILES,
+    document, expected = _serve_configs_with_arm(
+        0, {"replicas": 2, "max_ongoing_requests": 8, "max_surge_percent": 100}
     )
+    ServeDeploySchema.model_validate(document)
     assert document == expected
     first = document["applications"][1]
     assert first["deployments"] == [
@@ -379,21 +370,31 @@ def test_values_schema_config_part_is_generated_from_the_pydantic_schema():
 def test_an_arm_with_capture_deploys_as_specserve_renders_it():
     """`capture` is the router's: left in the engine application's args, ArmEngineConfig refuses
     it and the application never deploys."""
+    document, expected = _serve_configs_with_arm(
+        1, {"capture": {"sample": 0.05, "max_records": 1000}}
+    )
+    assert document == expected
+    for app in document["applications"][1:]:
+        ArmEngineConfig.model_validate(app["args"]["arm"])  # what the arm's builder takes
+
+
+def _serve_configs_with_arm(index: int, settings: dict) -> tuple[dict, dict]:
+    """The CPU profile's arm `index` given `settings`: the serveConfigV2 the chart renders, and
+    what specserve renders from the same config."""
     values = _merge_chart_values("cpu")
     arms = values["config"]["arms"]
-    arms[1] = {**arms[1], "capture": {"sample": 0.05, "max_records": 1000}}
-    objs = render_objects("cpu", config={**values["config"], "arms": arms})
+    arms[index] = {**arms[index], **settings}
+    config = {**values["config"], "arms": arms}
+    objs = render_objects("cpu", config=config)
     document = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
     expected = serve_config(
-        parse_config(yaml.safe_dump({**values["config"], "arms": arms})),
+        parse_config(yaml.safe_dump(config)),
         config_path=MOUNTED_CONFIG_PATH,
         config_poll_s=values["router"]["configPollSeconds"],
         router_replicas=values["router"]["replicas"],
         **KEY_FILES,
     )
-    assert document == expected
-    for app in document["applications"][1:]:
-        ArmEngineConfig.model_validate(app["args"]["arm"])  # what the arm's builder takes
+    return document, expected
 
 
 def _chart_values() -> dict:

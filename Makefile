@@ -43,7 +43,7 @@ test: model
 	$(PYTEST) -ra -v --durations=10 tests/cluster
 
 test-unit: install
-	$(PYTEST) -ra -m "not slow"
+	$(PYTEST) -ra -m unit --ignore=tests/cluster
 
 check: install
 	$(BIN)/ruff format --check service tests grafana helm

@@ -12,9 +12,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 import pytest
+
+pytest_plugins = ["tests.tiers"]  # the suite's tiers and their budgets
 
 MODEL = "smollm2-135m-instruct"
 # Several router replicas (the router's endpoints other than inference) share one node and its
@@ -129,6 +132,14 @@ def long_stream(max_tokens: int) -> dict:
         "ignore_eos": True,
         "stream": True,
     }
+
+
+def unavailable(message: str) -> NoReturn:
+    """A tool or file from outside the repository that a test needs is missing: a failure in CI
+    (.ci/run sets CI and installs them all), a skip that says what is missing elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}; CI (.ci/run) must install it")
+    pytest.skip(message)
 
 
 # Ports for the servers tests start come from below the kernel's ephemeral range (32768 and up)
@@ -298,9 +309,7 @@ def prometheus(live, tmp_path_factory):
     it: answering a scrape every second costs Ray's metrics agent ~1/3 of a core, which the
     modules after it should not pay."""
     if shutil.which("prometheus") is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI installs Debian's prometheus; it is missing")
-        pytest.skip("prometheus server not installed (apt-get install prometheus)")
+        unavailable("prometheus server not installed (apt-get install prometheus)")
     root = tmp_path_factory.mktemp("prometheus")
     rules = Path(__file__).resolve().parent.parent / "helm/specserve/rules/specserve-rules.yaml"
     target = live.metrics_url.removeprefix("http://").removesuffix("/metrics")
@@ -346,6 +355,8 @@ def prometheus(live, tmp_path_factory):
 #   theirs must not end the platform's; on 2 cores two platforms would also slow each other down.
 # - `disruptive` last: tests that kill or redeploy the session platform's engines. Each restores
 #   the platform (with a deadline) when it ends; last, a restore that failed harms nothing else.
+# - Within a group a module's tests stay together, and its `e2e` tests come after its others: a
+#   whole workflow may leave the module's fixtures changed, for their teardown to put back.
 FIRST, ANYWHERE, LAST = range(3)
 
 
@@ -358,7 +369,16 @@ def run_phase(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
-    items.sort(key=run_phase)
+    modules: dict[str, int] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], len(modules))
+    items.sort(
+        key=lambda item: (
+            run_phase(item),
+            modules[item.nodeid.split("::")[0]],
+            bool(item.get_closest_marker("e2e")),
+        )
+    )
 
 
 @pytest.fixture
@@ -400,7 +420,7 @@ _session_exit_status = 0
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     global _session_exit_status
-    _session_exit_status = int(exitstatus)
+    _session_exit_status = int(session.exitstatus)  # a tier over budget included (tiers.py)
 
 
 @pytest.hookimpl(trylast=True)

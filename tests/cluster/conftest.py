@@ -14,6 +14,7 @@ import pytest
 
 from specserve.settings import get_settings
 from tests.cluster.harness import RenderedCluster
+from tests.conftest import unavailable
 
 
 def _missing() -> list[str]:
@@ -31,9 +32,7 @@ def _missing() -> list[str]:
 def cluster(tmp_path_factory):
     missing = _missing()
     if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"the cluster harness needs {missing}; .ci/run installs them")
-        pytest.skip(f"the cluster harness needs {missing}")
+        unavailable(f"the cluster harness needs {missing}")
     models = get_settings().cache_dir
     running = RenderedCluster(tmp_path_factory.mktemp("pods"), models)
     try:

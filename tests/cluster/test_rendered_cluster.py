@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from tests.cluster import kuberay, netpol
+from tests.conftest import unavailable
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_every_pod_passes_its_rendered_and_kuberay_probes(cluster):
@@ -221,7 +222,7 @@ def test_a_real_prometheus_in_the_monitoring_namespace_scrapes_every_pod(cluster
     import subprocess
 
     if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus is not installed")
+        unavailable("Debian's prometheus is not installed")
     targets = [f"{p.endpoint.ip}:{kuberay.METRICS_PORT}" for p in cluster.pods.values()]
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 2s}\n"

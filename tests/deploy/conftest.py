@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import os
 import re
 import shutil
 import sys
@@ -13,11 +12,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from tests.conftest import unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
-CRDS = ROOT.parent / "shared" / "schemas" / "crds"
 KUBERNETES_VERSION = "1.33.0"
 # Custom resources the chart renders, and the CRD file holding each one's schema.
 CRD_FILES = {
@@ -28,8 +27,9 @@ CRD_FILES = {
     "RayJob": "ray.io_rayjobs.yaml",
     "RayCronJob": "ray.io_raycronjobs.yaml",
 }
-# KubeRay v1.7's RayJob and RayCronJob CRDs (ray-operator/config/crd/bases), kept here gzipped:
-# the chart's optional `drafter adapt` job is validated wherever the tests run.
+# The CRDs of KubeRay v1.7 (ray-operator/config/crd/bases) and of the Prometheus operator, kept
+# here gzipped: every custom resource the chart renders is validated wherever the tests run, a
+# fresh clone included.
 VENDORED_CRDS = Path(__file__).with_name("crds")
 
 
@@ -49,24 +49,13 @@ def require_tool(name: str) -> str:
     # The venv's bin is not on PATH when pytest runs as .venv/bin/pytest.
     path = shutil.which(name) or shutil.which(str(Path(sys.executable).parent / name))
     if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is missing; `make install` / .ci/run install it")
-        pytest.skip(f"{name} not installed")
+        unavailable(f"{name} not installed (`make install`)")
     return path
-
-
-def _crd_text(kind: str) -> str | None:
-    vendored = VENDORED_CRDS / (CRD_FILES[kind] + ".gz")
-    if vendored.exists():
-        return gzip.decompress(vendored.read_bytes()).decode()
-    path = CRDS / CRD_FILES[kind]
-    return path.read_text() if path.exists() else None
 
 
 @cache
 def crd_schema(kind: str) -> dict[str, Any]:
-    text = _crd_text(kind)
-    assert text is not None, kind
+    text = gzip.decompress((VENDORED_CRDS / (CRD_FILES[kind] + ".gz")).read_bytes()).decode()
     crd = yaml.safe_load(text)
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
     text = yaml.safe_dump(version["schema"]["openAPIV3Schema"])
@@ -77,23 +66,16 @@ def crd_schema(kind: str) -> dict[str, Any]:
 
 def validate_all(objs: list[dict[str, Any]]) -> None:
     """Validate objects: core kinds against Kubernetes' schemas (strict: unknown fields are
-    errors), custom resources against their CRD's openAPIV3Schema. Where the CRD schemas are not
-    at hand (they live beside the repository), the core kinds are still checked before the test
-    is skipped."""
+    errors), custom resources against their CRD's openAPIV3Schema."""
     import jsonschema
     import kubernetes_validate
 
-    unchecked = []
     for obj in objs:
         kind = obj["kind"]
         if kind not in CRD_FILES:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        elif _crd_text(kind) is not None:
-            jsonschema.validate(obj, crd_schema(kind), cls=jsonschema.Draft7Validator)
         else:
-            unchecked.append(kind)
-    if unchecked:
-        pytest.skip(f"CRD schemas not found at {CRDS}: {sorted(set(unchecked))} not validated")
+            jsonschema.validate(obj, crd_schema(kind), cls=jsonschema.Draft7Validator)
 
 
 def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

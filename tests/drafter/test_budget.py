@@ -11,8 +11,6 @@ from specserve.drafter import budget
 from specserve.drafter.model import VARIANTS, Drafter
 from specserve.drafter.train import TrainConfig
 
-pytestmark = pytest.mark.slow
-
 
 def prompts(path):
     rows = [
@@ -47,6 +45,7 @@ def tiny_run(target, prompts_file, work, updates, compare):
     )
 
 
+@pytest.mark.e2e
 def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny_target, tmp_path):
     first = tiny_run(tiny_target, prompts(tmp_path / "prompts.jsonl"), tmp_path / "first", 30, None)
     assert first["answered"] == 36 and first["sequences"]["training"] > 0

@@ -41,7 +41,7 @@ def in_vllm(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_shipped_drafters_are_lossless_in_float32(in_vllm):
     for name in SHIPPED:
         assert in_vllm[name] == in_vllm["plain"], f"{name} changed greedy float32 output"
@@ -65,7 +65,7 @@ def permutation_p_value(a: list, b: list, rounds: int = 2000, seed: int = 0) -> 
     return (hits + 1) / (rounds + 1)
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_shipped_drafters_keep_the_sampling_distribution(in_vllm):
     """Speculative sampling must not change what the target samples: two-sample permutation
     test on the tokens after the first (those are drafted and verified), 400 samples per arm.

@@ -22,7 +22,7 @@ from specserve.drafter.train import (
     train,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray
 
 VLLM_COMPARE = Path(__file__).with_name("vllm_compare.py")
 
@@ -87,6 +87,9 @@ def test_capture_resumes_only_for_the_same_conversations(tiny_target, tmp_path):
     assert list(features.glob("shard-*.pt")) == again  # new answers: the stale shard is gone
 
 
+@pytest.mark.e2e
+# Training, then two float32 vLLM engines (their run bounded at 500 s): ~2 minutes on two cores.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])
 def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     conversations = write_conversations(tmp_path / "answers.jsonl")
@@ -114,7 +117,7 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     subprocess.run(
         [sys.executable, str(VLLM_COMPARE), tiny_target, str(out), f"eagle={export}"],
         check=True,
-        timeout=900,
+        timeout=500,
     )
     result = json.loads(out.read_text())
     assert result["eagle_drafts"] > 0, "vLLM did not draft with the exported drafter"

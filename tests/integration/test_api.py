@@ -8,8 +8,6 @@ import pytest
 from specserve import headers
 from tests.conftest import ADMIN_KEY, MODEL
 
-pytestmark = pytest.mark.slow
-
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 

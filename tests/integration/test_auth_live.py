@@ -15,8 +15,6 @@ from specserve import headers
 from specserve.metrics import API_KEY_OUTPUT_TOKENS, API_KEY_REQUESTS, NO_KEY
 from tests.conftest import ADMIN_KEY, MODEL, PUBLIC, PUBLIC_KEY
 
-pytestmark = pytest.mark.slow
-
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -9,8 +9,6 @@ import pytest
 from specserve.bench import serving
 from tests.conftest import ADMIN_KEY
 
-pytestmark = pytest.mark.slow
-
 
 def bench_args(live, out, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

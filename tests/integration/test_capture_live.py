@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import openai
-import pytest
 
 from specserve import headers
 from specserve.capture import store
@@ -17,8 +16,6 @@ from specserve.cli import main as cli
 from specserve.metrics import CAPTURED_RECORDS
 from specserve.models import resolve_model_source
 from tests.conftest import ADMIN_KEY, MODEL, render_config
-
-pytestmark = pytest.mark.slow
 
 ARM = "ngram"
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]

@@ -5,8 +5,6 @@ import pytest
 from specserve import headers
 from tests.conftest import MODEL, PROXIES
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.mark.parametrize(
     "bad", ["arms: [", "model: {name: x, source: y}\narms:\n  - {name: a, weight: -1}\n"]

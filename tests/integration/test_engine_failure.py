@@ -25,7 +25,7 @@ from specserve.metrics import ENGINE_RETRIES, STREAMS_RESUMED
 from tests.conftest import MODEL
 from tests.integration.serving import replica_actors, steady_traffic
 
-pytestmark = [pytest.mark.slow, pytest.mark.disruptive]
+pytestmark = pytest.mark.disruptive
 
 CHAT = "/v1/chat/completions"
 APP = "arm-no-spec"
@@ -68,6 +68,9 @@ def one_request(client: httpx.Client, i: int) -> str:
     return "cut" if '"error"' in events[-2] else "ok"
 
 
+# A second replica's start, two kills and their replacements: 3-4 minutes on two cores, and
+# the restore's wait (420 s) after a failure.
+@pytest.mark.timeout(900)
 def test_killing_one_engine_replica_under_load(live, restore_config):
     text = live.config_path.read_text()
     two_replicas = text.replace("  - name: no-spec\n", "  - name: no-spec\n    replicas: 2\n", 1)

@@ -7,8 +7,6 @@ import pytest
 from specserve import headers
 from tests.conftest import MODEL
 
-pytestmark = pytest.mark.slow
-
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 

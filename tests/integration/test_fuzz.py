@@ -20,8 +20,6 @@ from schemathesis import GenerationMode
 
 from specserve import headers
 
-pytestmark = pytest.mark.slow
-
 EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "25"))
 # Generated requests are served by real engines on two cores: valid ones stay short.
 MAX_TOKENS = 4

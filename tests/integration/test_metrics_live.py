@@ -2,12 +2,8 @@
 
 import time
 
-import pytest
-
 from specserve import headers
 from tests.conftest import MODEL
-
-pytestmark = pytest.mark.slow
 
 REPETITIVE = {
     "model": MODEL,

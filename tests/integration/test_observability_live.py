@@ -15,8 +15,6 @@ from grafana import dashboards, promql
 from specserve import headers
 from tests.conftest import MODEL, render_config
 
-pytestmark = pytest.mark.slow
-
 ARMS = {"no-spec", "ngram"}  # the test platform's arms (tests/conftest.py)
 SPECULATIVE = {"ngram"}
 GHOST = "ghost"  # configured, never deployed: its weighted share falls back

@@ -9,13 +9,10 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from specserve import headers
 from specserve.metrics import NO_ARM, OUTCOME, OUTCOME_REJECTED, REQUESTS
 from tests.conftest import MODEL, NGRAM_ONGOING, NGRAM_QUEUED, PROXIES, long_stream
-
-pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
 # Tokens vLLM generated, over both engines (as scraped without Ray's prefix).

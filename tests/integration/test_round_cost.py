@@ -12,7 +12,7 @@ import pytest
 
 from specserve.bench import round_cost
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray
 
 ARM_CONFIG = """\
 model: {name: m, source: "embedded://SmolLM2-135M-Instruct", max_model_len: 1024, accelerator: cpu}
@@ -61,7 +61,7 @@ def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=280,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,12 +4,9 @@ import concurrent.futures as cf
 from collections import Counter
 
 import httpx
-import pytest
 
 from specserve import headers
 from tests.conftest import MODEL, render_config
-
-pytestmark = pytest.mark.slow
 
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
 

@@ -241,6 +241,7 @@ def test_an_arms_capacity_per_proxy_is_its_replicas_full_and_its_queue_full():
         )
 
 
+@pytest.mark.ray
 def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     import ray
 

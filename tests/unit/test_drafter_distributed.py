@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specserve.drafter.train import TrainConfig, train
@@ -24,6 +25,7 @@ def training_set() -> list[dict]:
     return [sequence(i, length=30 + i % 7) for i in range(12)]
 
 
+@pytest.mark.ray  # torchrun
 def test_two_processes_match_one(tmp_path):
     single = train(drafter(), training_set(), tmp_path / "single", CONFIG).state_dict()
 

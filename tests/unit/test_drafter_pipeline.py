@@ -110,6 +110,7 @@ def test_markdown_table_compares_continued_drafters_with_where_they_started():
     assert row.startswith("| chat | 2 | 3 | 1.40 | 1.50 | 1.60 | 1.80 | 1.12x | 1.14x | 1.20x |")
 
 
+@pytest.mark.ray
 def test_isolated_stage_runs_in_a_child_and_its_failure_is_raised(tmp_path):
     from specserve.drafter.pipeline import _isolated
 
@@ -261,6 +262,7 @@ def _stage_with_an_engine(pids: Path) -> None:
     time.sleep(600)
 
 
+@pytest.mark.ray
 def test_a_killed_build_takes_its_stage_and_the_stages_engine_with_it(tmp_path):
     pids = tmp_path / "pids"
     build = subprocess.Popen(

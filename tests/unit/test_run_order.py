@@ -9,8 +9,9 @@ from tests import conftest
 
 
 class Item:
-    def __init__(self, name: str, marker: str | None = None) -> None:
+    def __init__(self, name: str, marker: str | None = None, module: str = "m") -> None:
         self.name, self.marker = name, marker
+        self.nodeid = f"tests/{module}.py::{name}"
 
     def get_closest_marker(self, name: str):
         return name if name == self.marker else None
@@ -27,6 +28,18 @@ def test_own_cluster_first_disruptive_last_shuffled_order_kept():
     ]
     conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
     assert [i.name for i in items] == ["own-1", "own-2", "a", "b", "c", "kill"]
+
+
+def test_modules_stay_together_and_their_e2e_tests_come_last_in_them():
+    items = [
+        Item("x-loop", "e2e", module="x"),
+        Item("y-1", module="y"),
+        Item("x-1", module="x"),
+        Item("y-e2e", "e2e", module="y"),
+        Item("x-2", module="x"),
+    ]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.name for i in items] == ["x-1", "x-2", "x-loop", "y-1", "y-e2e"]
 
 
 def test_randomly_shuffles_before_the_grouping(pytestconfig):

@@ -383,6 +383,16 @@ class RoutingConfig(_Strict):
     use_user_field: bool = Field(
         True, description="Use the OpenAI `user` field as the sticky key when no session header."
     )
+    arm_header: Literal["admin", "everyone"] = Field(
+        "admin",
+        description=f"Who is told which arm answered (`{headers.ARM}`): `admin` keys only "
+        "(everyone where no API keys are configured), or `everyone`. A client told its arm can "
+        "try sticky keys until it lands on the arm it wants.",
+    )
+
+    def names_arm_to(self, admin: bool) -> bool:
+        """Whether an answer to a client (an admin key or not) carries the arm's name."""
+        return self.arm_header == "everyone" or admin
 
     @field_validator("session_header")
     @classmethod

@@ -37,8 +37,11 @@ def test_a_wrong_key_is_refused_and_a_public_key_served(live):
         CHAT, json={"model": MODEL, "messages": HI}, headers={"authorization": ""}
     )
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
-    reply = client(live, PUBLIC_KEY).chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
-    assert reply.choices[0].message.content is not None
+    raw = client(live, PUBLIC_KEY).chat.completions.with_raw_response.create(
+        model=MODEL, messages=HI, max_tokens=3
+    )
+    assert raw.parse().choices[0].message.content is not None
+    assert headers.ARM not in raw.headers  # named to admin keys only (routing.arm_header)
     assert [m.id for m in client(live, PUBLIC_KEY).models.list().data] == [MODEL]
     live.wait_for_metric(
         API_KEY_REQUESTS + "_total", invalid_before + 1, key=NO_KEY, result="invalid"

@@ -26,6 +26,7 @@ PUBLIC_KEY = "public-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"
 CONFIG = """\
 model: {{name: m, source: /nowhere, accelerator: cpu}}
+routing: {{arm_header: {arm_header}}}
 limits: {{max_tokens: 64, max_total_tokens: 128, body_timeout_s: 0.5{per_key}}}
 guardrail: {{min_acceptance_length: 1.5, window_s: 60, min_drafts: 20, drain_s: 300}}
 arms:
@@ -95,9 +96,14 @@ class Client:
         per_key="",
         weight_b=0,
         capture="",
+        arm_header="admin",
     ) -> None:
         self.config = tmp_path / "config.yaml"
-        self.config.write_text(CONFIG.format(per_key=per_key, weight_b=weight_b, capture=capture))
+        self.config.write_text(
+            CONFIG.format(
+                per_key=per_key, weight_b=weight_b, capture=capture, arm_header=arm_header
+            )
+        )
         self.api_keys = tmp_path / "api-keys"
         self.api_keys.write_text(f"# public keys\nteam-a={PUBLIC_KEY}\n")
         self.admin_keys = tmp_path / "admin-keys"
@@ -178,8 +184,8 @@ def test_a_missing_or_wrong_key_gets_401_in_the_openai_shape(client):
             assert body["error"]["code"] == code and body["error"]["type"]
             assert "wrong-key" not in json.dumps(body)  # a key is never echoed
         assert client.arms.requests == []
-        status, found, _ = await client.request(key=PUBLIC_KEY)
-        assert status == 200 and found[headers.ARM] == "a"
+        status, _, _ = await client.request(key=PUBLIC_KEY)
+        assert status == 200
         status, _, _ = await client.request(key=ADMIN_KEY)  # an admin key is an API key too
         assert status == 200
 
@@ -529,7 +535,8 @@ async def _get(client: Client, path: str, key: str | None) -> int:
 
 
 def test_a_weighted_request_whose_arm_failed_is_replayed_on_another_arm(tmp_path, monkeypatch):
-    client = Client(tmp_path, monkeypatch, weight_b=1)
+    # The public key, told its arm: the admin key's replays are spent on the forced request.
+    client = Client(tmp_path, monkeypatch, weight_b=1, arm_header="everyone")
 
     async def main():
         client.arms.dead = {"a"}
@@ -563,7 +570,9 @@ def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, 
     client.arms.held = {"a"}
 
     async def main():
-        asking = asyncio.ensure_future(client.request(extra={"x-session-id": session}))
+        asking = asyncio.ensure_future(
+            client.request(key=ADMIN_KEY, extra={"x-session-id": session})
+        )
         await asyncio.sleep(1.5)
         assert not asking.done()  # held
         stopped = dataclasses.replace(
@@ -861,5 +870,27 @@ def test_without_the_setting_a_clients_own_salt_passes(client):
         body = {"model": MODEL, "prompt": "hi", "cache_salt": "mine"}
         assert (await client.request(body=body))[0] == 200
         assert json.loads(client.arms.requests[-1]["body"])["cache_salt"] == "mine"
+
+    run(main())
+
+
+@pytest.mark.parametrize("arm_header", ["admin", "everyone"])
+def test_the_arm_is_named_to_admin_keys_only_unless_configured(tmp_path, monkeypatch, arm_header):
+    """Told its arm, a client could try session ids until it had the arm it wants, and feed
+    that arm's guardrail and A/B figures (docs/security.md)."""
+    client = Client(tmp_path, monkeypatch, arm_header=arm_header)
+    told = arm_header == "everyone"
+
+    async def main():
+        status, found, _ = await client.request(key=PUBLIC_KEY, extra={"x-session-id": "s1"})
+        assert status == 200 and (headers.ARM in found) is told
+        status, found, _ = await client.request(key=ADMIN_KEY, extra={"x-session-id": "s1"})
+        assert status == 200 and found[headers.ARM] == "a"
+        # An answer refused after the arm was chosen names it as rarely.
+        too_long = {"model": MODEL, "prompt": "hi", "max_tokens": 10_000}
+        status, found, _ = await client.request(body=too_long, key=PUBLIC_KEY)
+        assert status == 400 and (headers.ARM in found) is told
+        status, found, _ = await client.request(body=too_long, key=ADMIN_KEY)
+        assert status == 400 and found[headers.ARM] == "a"
 
     run(main())

@@ -420,6 +420,7 @@ class DispatchState:
         record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
         exchange: _Exchange | None = None
         identity: Identity | None = None
+        show_arm = False
         reserved = 0
         try:
             try:
@@ -439,7 +440,11 @@ class DispatchState:
                 else:
                     data = parse_body(raw)
                 record.arm = self._pick_arm(request_headers, data, loaded, record)
-                extra.append((_ARM, record.arm.encode()))
+                # The arm is named to admin keys only (routing.arm_header): a client told its
+                # arm could try sticky keys until it had the one it wants.
+                show_arm = config.routing.names_arm_to(identity is None or identity.admin)
+                if show_arm:
+                    extra.append((_ARM, record.arm.encode()))
                 checked = check_limits(data, config, endpoint)
                 # A body's own request id would be the answer's id, past the rule for ids.
                 rewritten = data.pop(BODY_REQUEST_ID, None) is not None or checked.rewritten
@@ -461,6 +466,7 @@ class DispatchState:
                 request_id,
                 client_wants_usage=wants_usage(data),
                 endpoint=endpoint if resumable(data, endpoint) else None,
+                show_arm=show_arm,
             )
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
@@ -496,7 +502,9 @@ class DispatchState:
                     (metrics.count_resume if point else metrics.count_retry)(failed_arm)
                     self.at_arm[failed_arm] -= 1
                     self.at_arm[record.arm] += 1
-                    extra = [h for h in extra if h[0] != _ARM] + [(_ARM, record.arm.encode())]
+                    extra = [h for h in extra if h[0] != _ARM]
+                    if show_arm:
+                        extra.append((_ARM, record.arm.encode()))
                     exchange = _Exchange(
                         record,
                         send,
@@ -504,6 +512,7 @@ class DispatchState:
                         request_id,
                         client_wants_usage=wants_usage(data),
                         resumes=exchange if point else None,
+                        show_arm=show_arm,
                     )
                     arm_scope = _arm_scope(
                         scope,
@@ -690,10 +699,12 @@ class _Exchange:
         client_wants_usage: bool,
         endpoint: str | None = None,
         resumes: _Exchange | None = None,
+        show_arm: bool = True,
     ) -> None:
         self.record = record
         self.send = send
         self.extra = extra  # on every answer (the arm's get the request id from Ray Serve)
+        self.show_arm = show_arm  # the arm's own header reaches the client
         self.request_id = request_id
         self.client_wants_usage = client_wants_usage
         self.started = False  # a response began (the arm's, or Ray Serve's own refusal)
@@ -761,6 +772,8 @@ class _Exchange:
             for name, value in response_headers:
                 if name == _USAGE:
                     self._read_usage(value)
+                elif name == _ARM and not self.show_arm:
+                    continue
                 elif name == self.request_id[0]:
                     continue  # the dispatch's own, below: one id per answer
                 elif name == b"content-type" and value.startswith(b"text/event-stream"):

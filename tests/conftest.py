@@ -166,7 +166,11 @@ class Live:
     """The running platform as tests see it."""
 
     def __init__(self, platform, config_path: Path, base_url: str, metrics_url: str) -> None:
+        from specserve.router.selection import load_salt
+
         self.platform = platform
+        # The key of the sticky hash, to tell which arm a session id lands on.
+        self.sticky_salt = load_salt(str(platform.settings.sticky_salt_file))
         self.config_path = config_path
         self.capture_dir = platform.settings.capture_path()
         self.base_url = base_url
@@ -239,11 +243,13 @@ def live(tmp_path_factory):
     config_path.write_text(render_config())
     (config_dir / "api-keys").write_text(f"tests={PUBLIC_KEY}\n")
     (config_dir / "admin-keys").write_text(f"test-admin={ADMIN_KEY}\n")
+    (config_dir / "sticky-salt").write_text("the test platform's secret\n")
     port, metrics_port = free_port(), free_port()
     settings = Settings(
         config=config_path,
         api_keys_file=config_dir / "api-keys",
         admin_keys_file=config_dir / "admin-keys",
+        sticky_salt_file=config_dir / "sticky-salt",
         port=port,
         metrics_port=metrics_port,
         config_poll_s=0.25,

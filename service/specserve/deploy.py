@@ -73,9 +73,13 @@ class Platform:
         self.config_path = Path(settings.config).resolve()
         self.loaded: LoadedConfig = load_config(self.config_path)
         # Absolute: every HTTP proxy reads them, whatever its working directory.
-        self.api_keys_file, self.admin_keys_file = (
+        self.api_keys_file, self.admin_keys_file, self.sticky_salt_file = (
             str(Path(path).resolve()) if path else None
-            for path in (settings.api_keys_file, settings.admin_keys_file)
+            for path in (
+                settings.api_keys_file,
+                settings.admin_keys_file,
+                settings.sticky_salt_file,
+            )
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -199,6 +203,7 @@ class Platform:
             expose_arms=s.expose_arms,
             api_keys_file=self.api_keys_file,
             admin_keys_file=self.admin_keys_file,
+            sticky_salt_file=self.sticky_salt_file,
         )
 
     def deploy(self, loaded: LoadedConfig) -> None:

@@ -71,10 +71,12 @@ ARM_NAME_ENV = "SPECSERVE_ARM_NAME"
 # Where the chart mounts the router config (a ConfigMap) in every Ray pod.
 MOUNTED_CONFIG_PATH = "/etc/specserve/config.yaml"
 # Where the chart mounts the API keys Secret in every Ray pod: one file of public keys and one
-# of admin keys (wire/auth.py reads their format), named by the router application's args.
+# of admin keys (wire/auth.py reads their format), and the secret that salts the sticky hash
+# (router/selection.py), named by the router application's args.
 MOUNTED_KEYS_DIR = "/etc/specserve/keys"
 API_KEYS_FILE = "api-keys"
 ADMIN_KEYS_FILE = "admin-keys"
+STICKY_SALT_FILE = "sticky-salt"
 HTTP_PORT = 8000
 
 
@@ -86,6 +88,7 @@ CONFIG_POLL_S_ARG = "config_poll_s"
 ROUTER_REPLICAS_ARG = "replicas"
 API_KEYS_FILE_ARG = "api_keys_file"
 ADMIN_KEYS_FILE_ARG = "admin_keys_file"
+STICKY_SALT_FILE_ARG = "sticky_salt_file"
 # The keys of an arm application's args, which the arm's builder (engine/arm.py) reads.
 MODEL_ARG = "model"
 ARM_ARG = "arm"
@@ -113,9 +116,11 @@ def router_application(
     replicas: int = 1,
     api_keys_file: str | None = None,
     admin_keys_file: str | None = None,
+    sticky_salt_file: str | None = None,
 ) -> dict[str, Any]:
     """The router application; the dispatch in every proxy reads these args. With no keys
-    files, requests are served without API keys."""
+    files, requests are served without API keys; with no salt file, sticky keys are hashed
+    unsalted."""
     args: dict[str, Any] = {
         CONFIG_PATH_ARG: config_path,
         CONFIG_POLL_S_ARG: config_poll_s,
@@ -125,6 +130,8 @@ def router_application(
         args[API_KEYS_FILE_ARG] = api_keys_file
     if admin_keys_file is not None:
         args[ADMIN_KEYS_FILE_ARG] = admin_keys_file
+    if sticky_salt_file is not None:
+        args[STICKY_SALT_FILE_ARG] = sticky_salt_file
     return {
         "name": ROUTER_APP_NAME,
         "route_prefix": "/",
@@ -167,6 +174,7 @@ def serve_config(
     expose_arms: bool = False,
     api_keys_file: str | None = None,
     admin_keys_file: str | None = None,
+    sticky_salt_file: str | None = None,
 ) -> dict[str, Any]:
     """The document `serve deploy` and a RayService's `serveConfigV2` take."""
     router = router_application(
@@ -175,6 +183,7 @@ def serve_config(
         replicas=router_replicas,
         api_keys_file=api_keys_file,
         admin_keys_file=admin_keys_file,
+        sticky_salt_file=sticky_salt_file,
     )
     arms = [arm_application(arm, config, expose_http=expose_arms) for arm in config.arms]
     return {

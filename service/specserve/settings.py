@@ -63,6 +63,12 @@ class Settings(BaseSettings):
         description="File of the admin keys, in the same format: they may also force an arm "
         "(`x-specserve-arm`). An admin key is an API key too.",
     )
+    sticky_salt_file: Path | None = Field(
+        None,
+        description="File of a secret (any bytes) that salts the hash of sticky keys, so that "
+        "no client can work out which session id or `user` lands on which arm. Unset: "
+        "unsalted. Every proxy of a deployment must read the same one.",
+    )
     allow_unauthenticated: bool = Field(
         False,
         description="Serve without API keys on a non-loopback address (refused otherwise).",

@@ -19,6 +19,7 @@ from specserve.serve_config import (
     MOUNTED_KEYS_DIR,
     PROXY_HOOK,
     PROXY_HOOK_ENV,
+    STICKY_SALT_FILE,
     WORKER_NICENESS,
     WORKER_NICENESS_ENV,
     serve_config,
@@ -37,6 +38,7 @@ PROFILES = ("cpu", "gb200")
 KEY_FILES = {
     "api_keys_file": f"{MOUNTED_KEYS_DIR}/{API_KEYS_FILE}",
     "admin_keys_file": f"{MOUNTED_KEYS_DIR}/{ADMIN_KEYS_FILE}",
+    "sticky_salt_file": f"{MOUNTED_KEYS_DIR}/{STICKY_SALT_FILE}",
 }
 MONITORING_ON = {
     "monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}

@@ -17,6 +17,7 @@ from specserve.serve_config import (
     HTTP_PORT,
     MOUNTED_KEYS_DIR,
     ROUTER_APP_NAME,
+    STICKY_SALT_FILE,
 )
 from tests.deploy.conftest import by_kind, generate, one, pod_specs, render_objects, validate_all
 
@@ -87,9 +88,13 @@ def test_chart_creates_a_kept_secret_with_one_random_api_key_and_one_admin_key(r
     assert re.fullmatch(r"default=[A-Za-z0-9]{40}", api), api
     assert re.fullmatch(r"admin=[A-Za-z0-9]{40}", admin), admin
     assert api.split("=")[1] != admin.split("=")[1]
-    # Drawn at render: another install gets other keys.
+    # The sticky hash's salt: a random secret of its own.
+    salt = base64.b64decode(secret["data"][STICKY_SALT_FILE]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", salt) and salt not in (api, admin)
+    # Drawn at render: another install gets other keys and another salt.
     again = one(render_objects(rendered[0]), "Secret")
     assert key_lines(again, API_KEYS_FILE) != [api]
+    assert again["data"][STICKY_SALT_FILE] != secret["data"][STICKY_SALT_FILE]
     validate_all([secret])
 
 
@@ -109,6 +114,7 @@ def test_router_args_name_the_mounted_key_files(rendered):
     args = router_args(objs)
     assert args["api_keys_file"] == f"{MOUNTED_KEYS_DIR}/{API_KEYS_FILE}"
     assert args["admin_keys_file"] == f"{MOUNTED_KEYS_DIR}/{ADMIN_KEYS_FILE}"
+    assert args["sticky_salt_file"] == f"{MOUNTED_KEYS_DIR}/{STICKY_SALT_FILE}"
 
 
 def test_an_existing_secret_is_mounted_and_none_is_created():

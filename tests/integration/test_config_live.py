@@ -54,9 +54,11 @@ def test_arm_that_is_not_running_gets_no_weighted_or_sticky_traffic(live, restor
         )
         assert response.status_code == 200, response.text
         # Each key goes to its best-scoring running arm: where it would be without the ghost.
-        assert response.headers[headers.ARM] == sticky_arm(key, {"no-spec": 1, "ngram": 1})
+        assert response.headers[headers.ARM] == sticky_arm(
+            key, {"no-spec": 1, "ngram": 1}, live.sticky_salt
+        )
     all_weights = {"no-spec": 1, "ngram": 1, "ghost": 100}
-    expected = sum(sticky_arm(key, all_weights) == "ghost" for key in keys)
+    expected = sum(sticky_arm(key, all_weights, live.sticky_salt) == "ghost" for key in keys)
     assert expected > 0
     counted = live.wait_for_metric(
         "specserve_routing_fallbacks_total", fallbacks_before + expected, arm="ghost"

@@ -99,14 +99,14 @@ def exported_requests(prometheus, arm: str) -> float:
     return float(found[0]["value"][1]) if found else 0.0
 
 
-def sessions_of(arm: str, weights: dict[str, float], n: int) -> list[str]:
+def sessions_of(live, arm: str, weights: dict[str, float], n: int) -> list[str]:
     """Session keys the router's sticky hashing sends to `arm` while all arms run."""
     found: list[str] = []
     for _ in range(10_000 * n):  # an arm with a share of 1/10,000 would still be found
         if len(found) == n:
             break
         key = uuid.uuid4().hex
-        if sticky_arm(key, weights) == arm:
+        if sticky_arm(key, weights, live.sticky_salt) == arm:
             found.append(key)
     assert len(found) == n, f"no sticky key found for {arm} with weights {weights}"
     return found
@@ -123,7 +123,7 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
         weights = {"no-spec": 1.0, "ngram": 0.0, MISMATCHED: 1.0}
         for arm in ("no-spec", MISMATCHED):
             first = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
-            session = {"x-session-id": sessions_of(arm, weights, 1)[0]}
+            session = {"x-session-id": sessions_of(live, arm, weights, 1)[0]}
             response = live.http.post(CHAT, json=first, headers=session)
             assert response.status_code == 200 and response.headers[headers.ARM] == arm
         deadline = time.monotonic() + 30
@@ -228,7 +228,7 @@ def check_drain_and_return(live, with_arm: str) -> None:
     # routes it, until every proxy's dispatch has drained the arm.
     weights = {"no-spec": 1.0, "ngram": 1.0, ARM: 1.0}
     lengths = []
-    for session in sessions_of(ARM, weights, 120):
+    for session in sessions_of(live, ARM, weights, 120):
         response = live.http.post(CHAT, json=body, headers={"x-session-id": session})
         assert response.status_code == 200
         if response.headers[headers.ARM] != ARM:  # drained meanwhile

@@ -20,6 +20,7 @@ from specserve.capture.store import Bounds
 from specserve.router import dispatch as dispatch_module
 from specserve.router.arm_states import ServeState
 from specserve.router.dispatch import Dispatch
+from specserve.router.selection import load_salt, sticky_arm
 
 MODEL = "m"
 PUBLIC_KEY = "public-key-0123456789abcdef"
@@ -97,6 +98,7 @@ class Client:
         weight_b=0,
         capture="",
         arm_header="admin",
+        sticky_salt: str | None = None,
     ) -> None:
         self.config = tmp_path / "config.yaml"
         self.config.write_text(
@@ -114,6 +116,9 @@ class Client:
             "api_keys_file": str(self.api_keys),
             "admin_keys_file": str(self.admin_keys),
         }
+        if sticky_salt is not None:
+            (tmp_path / "sticky-salt").write_text(sticky_salt)
+            args["sticky_salt_file"] = str(tmp_path / "sticky-salt")
         state = ServeState(
             statuses={"a": "RUNNING", "b": "RUNNING"},
             running=frozenset({"a", "b"}),
@@ -892,5 +897,29 @@ def test_the_arm_is_named_to_admin_keys_only_unless_configured(tmp_path, monkeyp
         assert status == 400 and (headers.ARM in found) is told
         status, found, _ = await client.request(body=too_long, key=ADMIN_KEY)
         assert status == 400 and found[headers.ARM] == "a"
+
+    run(main())
+
+
+def test_sticky_keys_are_hashed_with_the_deployments_salt(tmp_path, monkeypatch):
+    client = Client(tmp_path, monkeypatch, weight_b=1, sticky_salt="deployment secret")
+    salt = load_salt(str(tmp_path / "sticky-salt"))
+    weights = {"a": 1.0, "b": 1.0}
+
+    def moved(to: str) -> str:
+        """A session id the salt sends to `to`, the plain hash to the other arm."""
+        return next(
+            f"s{i}"
+            for i in range(1000)
+            if sticky_arm(f"s{i}", weights, salt) == to != sticky_arm(f"s{i}", weights)
+        )
+
+    async def main():
+        # First to b, then to a: arm a's first answer drains it (the fake arm's acceptance is
+        # below the guardrail's floor), so nothing is sent there before.
+        for arm in ("b", "a"):
+            session = moved(arm)
+            status, found, _ = await client.request(key=ADMIN_KEY, extra={"x-session-id": session})
+            assert status == 200 and found[headers.ARM] == arm
 
     run(main())

@@ -9,6 +9,7 @@ from specserve.router.selection import (
     Selection,
     UnknownArmError,
     choose_arm,
+    load_salt,
     random_arm,
     sticky_arm,
 )
@@ -128,3 +129,27 @@ def test_override_to_an_arm_that_is_not_running_and_nothing_running_are_errors()
     # Only a weight-0 arm runs: nothing may take weighted traffic.
     with pytest.raises(ArmNotRunningError, match=r"no arm with weight > 0 is running"):
         choose_arm(weights, running={"b"}, sticky_key="k")
+
+
+def test_a_salt_reassigns_keys_as_a_fresh_draw_keeping_the_split_and_stickiness(tmp_path):
+    """Without the deployment's salt, which key lands on which arm cannot be worked out: a
+    salted assignment agrees with the unsalted one only as two independent draws would."""
+    weights = {"a": 1, "b": 1}
+    (tmp_path / "salt").write_text("deployment secret")
+    salt = load_salt(str(tmp_path / "salt"))
+    assert len(salt) == 32 and load_salt(None) == b""
+    plain = [sticky_arm(k, weights) for k in KEYS]
+    salted = [sticky_arm(k, weights, salt) for k in KEYS]
+    agree = sum(p == q for p, q in zip(plain, salted, strict=True)) / len(KEYS)
+    assert abs(agree - 0.5) < 5 * (0.25 / len(KEYS)) ** 0.5  # chance agreement, no more
+    counts = Counter(salted)
+    assert_close_to_weights({a: counts[a] / len(KEYS) for a in weights}, weights, len(KEYS))
+    assert salted == [sticky_arm(k, weights, salt) for k in KEYS]  # still sticky
+    assert salted != [sticky_arm(k, weights, b"another deployment") for k in KEYS]
+    selection = choose_arm(weights, sticky_key=KEYS[0], salt=salt)
+    assert selection.arm == salted[0]
+
+
+def test_a_salt_file_that_cannot_be_read_leaves_the_hash_unsalted_and_says_so(tmp_path, caplog):
+    assert load_salt(str(tmp_path / "missing")) == b""
+    assert "unsalted" in caplog.text

@@ -188,6 +188,7 @@ every HTTP proxy reads them and re-reads them when kubelet updates the mount. */
 {{- if .Values.apiKeys.enabled }}
 {{- $_ := set $routerArgs "api_keys_file" "/etc/specserve/keys/api-keys" }}
 {{- $_ := set $routerArgs "admin_keys_file" "/etc/specserve/keys/admin-keys" }}
+{{- $_ := set $routerArgs "sticky_salt_file" "/etc/specserve/keys/sticky-salt" }}
 {{- end }}
 {{- /* The router replica asks for no CPU (serve_config.py's ROUTER_NUM_CPUS): it only answers
 /ready, /v1/models and /openapi.json, and the head, where it may land, offers no CPUs. */}}

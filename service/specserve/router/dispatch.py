@@ -66,13 +66,19 @@ from specserve.router.arm_states import (
 from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import Fate, ReplayedBodies, replay_identity
-from specserve.router.selection import ArmNotRunningError, UnknownArmError, choose_arm
+from specserve.router.selection import (
+    ArmNotRunningError,
+    UnknownArmError,
+    choose_arm,
+    load_salt,
+)
 from specserve.serve_config import (
     ADMIN_KEYS_FILE_ARG,
     API_KEYS_FILE_ARG,
     ARM_ROUTE_PREFIX,
     CONFIG_PATH_ARG,
     CONFIG_POLL_S_ARG,
+    STICKY_SALT_FILE_ARG,
 )
 from specserve.watch import ConfigWatcher
 from specserve.wire.arm_calls import ArmCalls, ASGIApp, Message, Receive, Scope, Send
@@ -218,6 +224,8 @@ class DispatchState:
         self.in_flight = InFlight()
         self.keys = KeyRing(None, None)  # until the router application names its keys files
         self._keys_files: tuple[str | None, str | None] = (None, None)
+        self.sticky_salt = b""  # until the router application names its salt file
+        self._salt_file: str | None = None
         self.key_limits = KeyLimits()
         self.replayed = ReplayedBodies()
         self._state_read_at = time.monotonic()
@@ -284,6 +292,10 @@ class DispatchState:
         if files != self._keys_files:
             self.keys = await asyncio.to_thread(KeyRing, *files)
             self._keys_files = files
+        salt_file = router_args.get(STICKY_SALT_FILE_ARG)
+        if salt_file != self._salt_file:
+            self.sticky_salt = await asyncio.to_thread(load_salt, salt_file)
+            self._salt_file = salt_file
 
     async def _follow_config(self, router_args: dict[str, Any]) -> None:
         """Load the config the router application names (once, or again if it names another)."""
@@ -669,6 +681,7 @@ class DispatchState:
                 drained=self.guard.drained(),
                 override=request_headers.get(headers.ARM_OVERRIDE),
                 sticky_key=sticky_key,
+                salt=self.sticky_salt,
             )
         except UnknownArmError as exc:
             raise OpenAIError(

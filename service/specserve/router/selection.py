@@ -8,19 +8,25 @@ same; and when one arm's weight grows, keys only move *to* that arm (when it shr
 it), which is the least movement any scheme can have. An arm that is not running drops out of
 the weights; its keys go to their next-best running arm and return when it runs again, while the
 keys of every other arm stay where they are.
+
+The hash is keyed with a per-deployment secret (`load_salt`): without it, a client could work out
+offline which session ids land on which arm and pick its arm by its id.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 from specserve.metrics import SELECTED_BY_OVERRIDE, SELECTED_BY_STICKY, SELECTED_BY_WEIGHT
 
 _TWO_64 = float(2**64)
+logger = logging.getLogger(__name__)
 
 
 class UnknownArmError(LookupError):
@@ -41,19 +47,32 @@ class Selection(NamedTuple):
     fallback_from: str | None = None
 
 
-def _uniform(key: str, arm: str) -> float:
-    digest = hashlib.blake2b(f"{key}\x00{arm}".encode(), digest_size=8).digest()
+def load_salt(path: str | None) -> bytes:
+    """The sticky hash's key from a secret file (its SHA-256: any length of secret fits);
+    b"" (unsalted) without one. A named file that cannot be read is logged, and unsalted."""
+    if not path:
+        return b""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).digest()
+    except OSError as exc:
+        logger.error("sticky keys are hashed unsalted: cannot read %s (%s)", path, exc)
+        return b""
+
+
+def _uniform(key: str, arm: str, salt: bytes = b"") -> float:
+    # Keyed BLAKE2b; an empty key is the plain hash.
+    digest = hashlib.blake2b(f"{key}\x00{arm}".encode(), digest_size=8, key=salt).digest()
     # Map to (0, 1): never 0 (log) and never 1 (division by zero).
     return (int.from_bytes(digest, "big") + 0.5) / _TWO_64
 
 
-def sticky_arm(key: str, weights: Mapping[str, float]) -> str:
+def sticky_arm(key: str, weights: Mapping[str, float], salt: bytes = b"") -> str:
     """The arm a sticky key maps to; only arms with weight > 0 can win."""
     best, best_score = "", -1.0
     for arm, weight in weights.items():
         if weight <= 0:
             continue
-        score = weight / -math.log(_uniform(key, arm))
+        score = weight / -math.log(_uniform(key, arm, salt))
         if score > best_score:
             best, best_score = arm, score
     if not best:
@@ -75,6 +94,7 @@ def choose_arm(
     drained: Collection[str] = (),
     override: str | None = None,
     sticky_key: str | None = None,
+    salt: bytes = b"",
     rng: random.Random | None = None,
 ) -> Selection:
     """Pick the arm for one request. An override may name any configured arm, even weight 0,
@@ -97,7 +117,7 @@ def choose_arm(
     selected_by = SELECTED_BY_STICKY if sticky_key else SELECTED_BY_WEIGHT
 
     def pick(among: Mapping[str, float]) -> str:
-        return sticky_arm(sticky_key, among) if sticky_key else random_arm(among, rng)
+        return sticky_arm(sticky_key, among, salt) if sticky_key else random_arm(among, rng)
 
     first = pick(weights)
     if first in live:

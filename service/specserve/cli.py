@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from specserve.config import (
     load_config,
     parse_config,
     read_config_file,
+    revision_of,
 )
 from specserve.config_checks import check_engine_settings
 
@@ -232,14 +234,33 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[cluster_args, adapt_args],
         help="adapt a drafter, prove it as a challenger arm on live traffic, promote or remove it",
     )
-    loop_p.add_argument("--incumbent", required=True, help="the EAGLE arm to improve")
-    loop_p.add_argument("--prometheus", required=True, help="a Prometheus scraping specserve")
+    loop_p.add_argument("--incumbent", help="the EAGLE arm to improve (required for a loop)")
+    loop_p.add_argument(
+        "--prometheus", help="a Prometheus scraping specserve (required for a loop)"
+    )
     loop_p.add_argument("--candidate", type=Path, help="skip adapt: this exported drafter")
     loop_p.add_argument("--share", type=float, default=0.1, help="challenger's traffic share")
     loop_p.add_argument("--poll-s", type=float, default=30.0)
     loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
     loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
     loop_p.add_argument("--json", type=Path, help="write the loop's report here")
+    loop_p.add_argument(
+        "--max-error-share",
+        type=float,
+        default=0.05,
+        help="the challenger goes once more of its requests than this fail (5xx)",
+    )
+    ends = loop_p.add_mutually_exclusive_group()
+    ends.add_argument(
+        "--abort",
+        action="store_true",
+        help="stop the loop running on --work-dir (or take out the challenger of one that died)",
+    )
+    ends.add_argument(
+        "--undo",
+        action="store_true",
+        help="roll the config back to the revision from before the last loop on --work-dir",
+    )
 
     tune_p = sub.add_parser(
         "tune",
@@ -515,21 +536,57 @@ def _cluster_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loop_work_dir(args: argparse.Namespace) -> Path:
+    from specserve.settings import get_settings
+
+    return args.work_dir or get_settings().cache_dir / "adapt"
+
+
 def _loop(args: argparse.Namespace) -> int:
-    """`specserve loop` against the local config file (`--local`) or a release."""
+    """`specserve loop` against the local config file (`--local`) or a release; `--abort` and
+    `--undo` act on the loop recorded in the work directory."""
+    from specserve import loop
+
+    record = loop.RunRecord(_loop_work_dir(args))
+    if args.abort:
+        return _loop_abort(args, record)
+    if args.undo:
+        return _loop_undo(args, record)
+    missing = [f"--{name}" for name in ("incumbent", "prometheus") if not getattr(args, name)]
+    if missing:
+        print(f"error: a loop needs {' and '.join(missing)}", file=sys.stderr)
+        return 2
+    live_text, apply = _config_store(args, "the loop's revision")
+    try:
+        stale = record.claim(args.incumbent, revision_of(live_text().encode()))
+        if stale is not None:
+            loop.remove_left_behind(stale, live_text, apply)
+    except loop.LoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    outcome = loop.ABORTED
+    try:
+        code, outcome = _run_loop(args, live_text, apply, record)
+        return code
+    finally:
+        record.finish(outcome)
+
+
+def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN001
+    """The loop's steps (loop.py's docstring); -> (exit code, outcome)."""
     import yaml
 
     from specserve import loop
     from specserve.ab.prometheus import Prometheus
     from specserve.config import Eagle3Speculation
 
-    live_text, apply = _config_store(args, "the loop's revision")
     config = loop.LoopConfig(
         incumbent=args.incumbent,
         share=args.share,
         poll_s=args.poll_s,
         max_wait_s=args.max_wait_s,
         min_requests=args.min_requests,
+        max_error_share=args.max_error_share,
     )
     candidate = args.candidate
     if candidate is None:
@@ -540,14 +597,15 @@ def _loop(args: argparse.Namespace) -> int:
         incumbent = next((a for a in live.arms if a.name == args.incumbent), None)
         if incumbent is None or not isinstance(incumbent.speculative, Eagle3Speculation):
             print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
-            return 2
+            return 2, loop.ABORTED
         base = args.base or incumbent.speculative.model
         adapted = adapt(adapt_config(args, base, prepare_model(live.model.source)))
         if not adapted["accepted"]:
             print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
-            return 3
+            return 3, loop.NO_CANDIDATE
         candidate = Path(adapted["accepted"])
     experiment = loop.Experiment(Prometheus(args.prometheus), config)
+    record.name_challenger(candidate.resolve().name)  # the arm's name (loop.with_challenger)
 
     def _terminated(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt  # the loop removes its challenger on the way out
@@ -557,20 +615,70 @@ def _loop(args: argparse.Namespace) -> int:
         report = loop.Loop(config, live_text, apply, experiment).run(candidate.resolve())
     except loop.LoopError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 2, loop.ABORTED
     except KeyboardInterrupt:
         print(
             "loop stopped before a verdict (the lines above say what became of its challenger)",
             file=sys.stderr,
         )
-        return 130
+        return 130, loop.ABORTED
     except Exception as exc:
         print(f"error: the loop stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return 2, loop.ABORTED
     if args.json:
         loop.write_report(report, args.json)
     print(yaml.safe_dump({k: report[k] for k in ("outcome", "reason", "steps")}, sort_keys=False))
-    return 0 if report["outcome"] == loop.PROMOTED else 3
+    before = record.read() or {}
+    if report["outcome"] == loop.PROMOTED:
+        print(
+            f"undo: `specserve loop --undo` (the same store and --work-dir) returns to revision "
+            f"{before.get('revision_before')}, from before the loop"
+        )
+    return (0 if report["outcome"] == loop.PROMOTED else 3), report["outcome"]
+
+
+def _loop_abort(args: argparse.Namespace, record) -> int:  # noqa: ANN001
+    """Stop the loop recorded in the work directory (it takes its challenger out), or, if its
+    process died, take its challenger out here."""
+    from specserve import loop
+
+    running = record.read()
+    if running is None:
+        print(f"no loop runs on {record.work_dir}")
+        return 0
+    if record.alive(running):
+        if running["host"] != socket.gethostname():
+            print(
+                f"error: the loop runs on {running['host']} (pid {running['pid']}): abort it there",
+                file=sys.stderr,
+            )
+            return 2
+        os.kill(int(running["pid"]), signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while record.read() is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if record.read() is not None:
+            print(f"error: pid {running['pid']} did not stop in 120 s", file=sys.stderr)
+            return 1
+        print(f"stopped the loop (pid {running['pid']}); it took its challenger out")
+        return 0
+    live_text, apply = _config_store(args, "the loop's abort")
+    revision = loop.remove_left_behind(running, live_text, apply)
+    record.finish(loop.ABORTED)
+    if revision is None:
+        print(f"the loop (pid {running['pid']}) had stopped; nothing of it serves")
+    return 0
+
+
+def _loop_undo(args: argparse.Namespace, record) -> int:  # noqa: ANN001
+    """Return the live config to the revision from before the last loop, in one rollback."""
+    last = record.read_last()
+    if last is None or not last.get("revision_before"):
+        print(f"error: no finished loop recorded in {record.work_dir}", file=sys.stderr)
+        return 2
+    args.config_command, args.to, args.keep = "rollback", last["revision_before"], None
+    print(f"the loop of {last['incumbent']} ended: {last.get('outcome')}; rolling back")
+    return _local_config(args) if args.local else _cluster_config(args)
 
 
 def _tune(args: argparse.Namespace) -> int:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,10 +38,11 @@ from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config import RouterConfig, parse_config
 
-PROMOTED, ROLLED_BACK, DRAINED, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
+PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
     "promoted",
     "rolled back",
     "drained by the guardrail",
+    "failing requests",
     "sample-ratio mismatch",
     "no verdict in time",
     "no candidate better offline",
@@ -61,6 +64,10 @@ class LoopConfig:
     min_requests: int = 30
     alpha: float = 0.05
     model: str | None = None
+    # The error guardrail: the challenger goes once more than this share of its requests failed
+    # on the platform's side (5xx), counted from `min_error_requests` requests on.
+    max_error_share: float = 0.05
+    min_error_requests: int = 20
 
 
 @dataclass
@@ -148,6 +155,9 @@ class Experiment:
     def drained(self, arm: str) -> bool:
         return self.prometheus.drained(arm, time.time())
 
+    def errors(self, arm: str, since: float) -> tuple[float, float]:
+        return self.prometheus.errors(arm, since, time.time())
+
     def verdict(self, challenger: str, since: float) -> dict[str, Any]:
         options = Options(
             baseline=self.config.incumbent,
@@ -231,6 +241,14 @@ class Loop:
             try:
                 if self.experiment.drained(challenger):
                     return self._end(challenger, DRAINED, "the acceptance guardrail drained it")
+                failed, answered = self.experiment.errors(challenger, since)
+                if answered >= c.min_error_requests and failed > c.max_error_share * answered:
+                    return self._end(
+                        challenger,
+                        FAILING,
+                        f"{failed:.0f} of its {answered:.0f} requests failed "
+                        f"(over {c.max_error_share:.0%})",
+                    )
                 row = self.experiment.verdict(challenger, since)
             except PrometheusError as exc:
                 self.log(f"no report yet: {exc}")
@@ -275,6 +293,123 @@ class Loop:
             "steps": [step.__dict__ for step in self.steps],
             "rows": self.rows,
         }
+
+
+# -- the record of a running loop ------------------------------------------------------------
+
+RUNNING, LAST = "loop-running.json", "loop-last.json"  # in the loop's work directory
+
+
+def _process_started(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+class RunRecord:
+    """The loop running on a work directory, as `loop-running.json` there. Created exclusively:
+    a second loop on the directory is refused while the first one's process lives. It names the
+    challenger once there is one, so that a loop whose process died without cleaning up (an OOM
+    kill, SIGKILL, a lost node) leaves a record of what to take out, for the next run or
+    `specserve loop --abort`. A loop that ends moves it to `loop-last.json`, which keeps the
+    revision from before the loop for `specserve loop --undo`."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir
+        self.running, self.last = work_dir / RUNNING, work_dir / LAST
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+
+    def read(self) -> dict[str, Any] | None:
+        return self._read(self.running)
+
+    def read_last(self) -> dict[str, Any] | None:
+        return self._read(self.last)
+
+    @staticmethod
+    def alive(record: dict[str, Any]) -> bool:
+        """Whether the recorded loop's process still runs (one on another host is taken to)."""
+        if record.get("host") != socket.gethostname():
+            return True
+        started = _process_started(int(record["pid"]))
+        # The same pid with another start time is another process.
+        return started is not None and abs(started - float(record["process_started"])) < 1
+
+    def claim(self, incumbent: str, revision_before: str) -> dict[str, Any] | None:
+        """Record this process as the directory's loop; -> the record of a loop that died
+        without cleaning up (its challenger may still serve), else None. LoopError while
+        another loop's process lives."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        mine = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "process_started": _process_started(os.getpid()),
+            "started_at": time.time(),
+            "incumbent": incumbent,
+            "revision_before": revision_before,
+            "challenger": None,
+        }
+        stale = None
+        for _ in range(3):
+            try:
+                fd = os.open(self.running, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                other = self.read()
+                if other is not None and self.alive(other):
+                    raise LoopError(
+                        f"another loop runs on {self.work_dir} (pid {other['pid']} on "
+                        f"{other['host']}, improving {other['incumbent']}): let it end, or stop "
+                        f"it with `specserve loop --abort --work-dir {self.work_dir}`"
+                    ) from None
+                stale = other or stale
+                self.running.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(mine, f)
+            return stale
+        raise LoopError(f"could not record the loop in {self.running}")
+
+    def name_challenger(self, name: str) -> None:
+        record = self.read() or {}
+        record["challenger"] = name
+        self.running.write_text(json.dumps(record))
+
+    def finish(self, outcome: str) -> None:
+        """The loop ended (`outcome`): its record becomes the last loop's."""
+        record = self.read()
+        if record is not None:
+            record.update(outcome=outcome, ended_at=time.time())
+            self.last.write_text(json.dumps(record))
+            self.running.unlink(missing_ok=True)
+
+
+def remove_left_behind(
+    record: dict[str, Any],
+    live_text: Callable[[], str],
+    apply: Callable[[str, RouterConfig], str],
+    log: Callable[[str], None] = print,
+) -> str | None:
+    """Take out the challenger of a loop that stopped without cleaning up, if it still serves;
+    -> the revision that removed it."""
+    name = record.get("challenger")
+    live = live_text()
+    if not name or name not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
+        return None
+    text, routed = without(live, name)
+    revision = apply(text, routed)
+    log(
+        f"revision {revision}: challenger {name} removed, left by a loop that stopped without "
+        f"cleaning up (pid {record.get('pid')} on {record.get('host')})"
+    )
+    return revision
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -139,9 +139,8 @@ def test_a_second_serve_says_at_once_that_the_port_is_taken(
     platform_config, held_port, monkeypatch, capsys
 ):
     """Another `specserve serve` holds the HTTP port: refused before Ray starts, not after
-    Ray's start-up timeout."""
+    Ray's start-up timeout. (A unit test: starting Ray would fail it, tests/tiers.py.)"""
     import os
-    import time
 
     import psutil
 
@@ -151,12 +150,10 @@ def test_a_second_serve_says_at_once_that_the_port_is_taken(
     monkeypatch.setenv("SPECSERVE_PORT", str(held_port))
     monkeypatch.setenv("SPECSERVE_METRICS_PORT", str(free_port()))
     get_settings.cache_clear()
-    started = time.monotonic()
     try:
         assert main(["serve", "--config", str(platform_config)]) == 2
     finally:
         get_settings.cache_clear()
-    assert time.monotonic() - started < 5
     err = capsys.readouterr().err
     assert "already runs here" in err and f"HTTP (SPECSERVE_PORT) port {held_port}" in err
     assert f"in use: by {psutil.Process().name()} (pid {os.getpid()})" in err  # who holds it

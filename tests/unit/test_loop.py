@@ -59,8 +59,18 @@ def test_promotion_gives_the_incumbent_the_drafter_and_removal_restores_the_arms
 class Scripted:
     """The experiment's readings, one per poll."""
 
-    def __init__(self, served: list[float], rows: list[dict], drained_at: int | None = None):
+    def __init__(
+        self,
+        served: list[float],
+        rows: list[dict],
+        drained_at: int | None = None,
+        errors: tuple[float, float] = (0, 0),
+    ):
         self.served_readings, self.rows, self.drained_at, self.polls = served, rows, drained_at, 0
+        self.error_reading = errors
+
+    def errors(self, arm: str, since: float) -> tuple[float, float]:
+        return self.error_reading
 
     def served(self, arm: str) -> float:
         return self.served_readings.pop(0) if len(self.served_readings) > 1 else 1.0
@@ -118,6 +128,8 @@ def test_a_faster_challenger_is_promoted_in_two_revisions_that_rollback_undoes(t
     [
         (lambda: Scripted([1], [row(KEEP_TESTING), row(ROLL_BACK)]), loop.ROLLED_BACK),
         (lambda: Scripted([1], [row(KEEP_TESTING)], drained_at=2), loop.DRAINED),
+        # 3 of 40 failed: over 5 %, whatever the verdict says.
+        (lambda: Scripted([1], [row(PROMOTE)], errors=(3, 40)), loop.FAILING),
         (lambda: Scripted([1], [row(KEEP_TESTING, mismatch=True)]), loop.MISMATCH),
         (lambda: Scripted([1], [row(KEEP_TESTING)]), loop.TIMED_OUT),
         (lambda: Scripted([0] * 1000, [row(PROMOTE)]), loop.TIMED_OUT),  # it never serves
@@ -205,3 +217,147 @@ def test_a_promotion_that_cannot_be_applied_still_takes_the_challenger_out(tmp_p
             sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0],
         ).run(CANDIDATE)  # fmt: skip
     assert arms(local.live_text()) == arms(DEFAULT.read_text())  # no challenger, no promotion
+
+
+@pytest.mark.parametrize("errors", [(1, 40), (3, 19)])  # under 5 %; too few requests to judge
+def test_a_challenger_failing_under_the_share_or_too_few_requests_runs_on(tmp_path, errors):
+    report, _, _ = run(tmp_path, Scripted([1], [row(KEEP_TESTING), row(PROMOTE)], errors=errors))
+    assert report["outcome"] == loop.PROMOTED
+
+
+# -- the record of a running loop, --abort, --undo, a second loop --------------------------
+
+
+def test_a_second_loop_on_the_work_directory_is_refused_while_the_first_lives(tmp_path):
+    record = loop.RunRecord(tmp_path / "work")
+    assert record.claim("eagle3.1", "rev-before") is None
+    with pytest.raises(loop.LoopError, match="another loop runs"):
+        loop.RunRecord(tmp_path / "work").claim("eagle3.1", "rev-before")
+    record.finish(loop.PROMOTED)
+    assert record.read() is None and record.read_last()["outcome"] == loop.PROMOTED
+    assert loop.RunRecord(tmp_path / "work").claim("eagle3.1", "rev-before") is None
+
+
+def dead_loop(tmp_path, live: Path, challenger: str | None) -> Path:
+    """The record of a loop whose process died (a pid that has exited) with `challenger` added
+    to the live config (the file at `live`); -> its work dir."""
+    import json
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    record = {
+        "pid": gone.pid,
+        "host": __import__("socket").gethostname(),
+        "process_started": 0.0,
+        "incumbent": "eagle3.1",
+        "revision_before": revision_of(live.read_bytes()),
+        "challenger": challenger,
+    }
+    (work / loop.RUNNING).write_text(json.dumps(record))
+    if challenger is not None:
+        text, routed, _ = loop.with_challenger(
+            live.read_text(), "eagle3.1", CANDIDATE.with_name(challenger), 0.1
+        )
+        LocalConfig(live).apply(text, routed)
+    return work
+
+
+@pytest.fixture
+def cli_store(tmp_path, monkeypatch):
+    """The local config file for the CLI; vLLM's argument parser (~20 s to import) is not
+    under test."""
+    from specserve import cli
+
+    monkeypatch.setattr(cli, "check_engine_settings", lambda *a, **k: None)
+    live = tmp_path / "config.yaml"
+    live.write_text(DEFAULT.read_text())
+    return cli, live
+
+
+def test_the_next_loop_takes_out_the_challenger_a_dead_loop_left(tmp_path, cli_store):
+    cli, live = cli_store
+    work = dead_loop(tmp_path, live, "eagle3.1-0123456789ab")
+    assert "eagle3.1-0123456789ab" in arms(live.read_text())
+    record = loop.RunRecord(work)
+    stale = record.claim("eagle3.1", revision_of(live.read_bytes()))
+    local = LocalConfig(live)
+
+    def apply(text, routed) -> str:
+        return local.apply(text, routed).new_revision
+
+    assert loop.remove_left_behind(stale, local.live_text, apply, log=lambda _: None)
+    assert arms(live.read_text()) == arms(DEFAULT.read_text())
+    assert record.read()["pid"] == __import__("os").getpid()  # the directory is this run's now
+
+
+def test_abort_takes_out_a_dead_loops_challenger_and_its_record(tmp_path, cli_store, capsys):
+    cli, live = cli_store
+    work = dead_loop(tmp_path, live, "eagle3.1-0123456789ab")
+    assert cli.main(["loop", "--abort", "--local", str(live), "--work-dir", str(work)]) == 0
+    assert "challenger eagle3.1-0123456789ab removed" in capsys.readouterr().out
+    assert arms(live.read_text()) == arms(DEFAULT.read_text())
+    assert loop.RunRecord(work).read() is None
+    assert cli.main(["loop", "--abort", "--local", str(live), "--work-dir", str(work)]) == 0
+    assert "no loop runs" in capsys.readouterr().out
+
+
+def test_abort_stops_a_running_loop_which_takes_its_challenger_out(tmp_path, cli_store):
+    """This process stands in for the loop's: --abort sends the recorded process SIGTERM (which a
+    loop takes as KeyboardInterrupt, cli.py, and removes its challenger: tested above) and waits
+    until the loop has ended its record."""
+    import signal
+    import threading
+
+    cli, live = cli_store
+    work = tmp_path / "work"
+    record = loop.RunRecord(work)
+    record.claim("eagle3.1", revision_of(live.read_bytes()))
+    record.name_challenger("eagle3.1-0123456789ab")
+    stopped = threading.Event()
+
+    def interrupt(signum, frame):
+        stopped.set()
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        aborting = threading.Thread(
+            target=cli.main,
+            args=(["loop", "--abort", "--local", str(live), "--work-dir", str(work)],),
+        )
+        aborting.start()
+        assert stopped.wait(10)  # the SIGTERM reached the recorded process (this one)
+        record.finish(loop.ABORTED)  # what the interrupted loop does on its way out
+        aborting.join(10)
+        assert not aborting.is_alive()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert record.read() is None and record.read_last()["outcome"] == loop.ABORTED
+
+
+def test_a_second_loop_started_on_the_directory_is_refused_with_how_to_stop_the_first(
+    tmp_path, cli_store, capsys
+):
+    cli, live = cli_store
+    work = tmp_path / "work"
+    loop.RunRecord(work).claim("eagle3.1", revision_of(live.read_bytes()))  # this process's
+    command = ["loop", "--incumbent", "eagle3.1", "--prometheus", "http://127.0.0.1:9"]
+    command += ["--candidate", str(CANDIDATE), "--local", str(live), "--work-dir", str(work)]
+    assert cli.main(command) == 2
+    assert "--abort" in capsys.readouterr().err
+    assert live.read_text() == DEFAULT.read_text()  # nothing deployed
+
+
+def test_undo_returns_to_the_revision_before_the_loop_in_one_step(tmp_path, cli_store):
+    cli, live = cli_store
+    work = tmp_path / "work"
+    before = live.read_text()
+    record = loop.RunRecord(work)
+    record.claim("eagle3.1", revision_of(before.encode()))
+    report, local, _ = run(tmp_path, Scripted([1], [row(PROMOTE)]))  # the same file
+    record.finish(report["outcome"])
+    assert arms(live.read_text())["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
+    assert cli.main(["loop", "--undo", "--local", str(live), "--work-dir", str(work)]) == 0
+    assert live.read_text() == before

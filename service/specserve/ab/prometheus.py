@@ -20,11 +20,14 @@ from specserve.metrics import (
     ARM_WEIGHT,
     CONFIG_INFO,
     EXPORT_PREFIX,
+    OUTCOME,
+    OUTCOME_SERVER_ERROR,
     POSITION,
     REQUEST_OUTPUT_SPEED,
     REQUEST_STAT_COUNT,
     REQUEST_STAT_SQUARES,
     REQUEST_STAT_SUM,
+    REQUESTS,
     REQUESTS_IN_FLIGHT,
     SELECTED_BY,
     SELECTED_BY_STICKY,
@@ -181,6 +184,17 @@ class Prometheus:
         query = f'sum({counter}{{{ARM}="{arm}",{STAT}="{REQUEST_OUTPUT_SPEED}"}})'
         found = self.vector(query, at)
         return found[0][1] if found else 0.0
+
+    def errors(self, arm: str, since: float, at: float) -> tuple[float, float]:
+        """(requests that failed on the platform's side, all requests) of `arm` in (since, at]:
+        the increase of its request counter by outcome."""
+        window = f"{max(1, math.ceil(at - since))}s"
+        counter = f"{_name(REQUESTS)}_total"
+        found = {}
+        for key, selector in (("failed", f',{OUTCOME}="{OUTCOME_SERVER_ERROR}"'), ("all", "")):
+            rows = self.vector(f'sum(increase({counter}{{{ARM}="{arm}"{selector}}}[{window}]))', at)
+            found[key] = rows[0][1] if rows else 0.0
+        return found["failed"], found["all"]
 
     def drained(self, arm: str, at: float) -> bool:
         """Whether any router's acceptance guardrail holds `arm` drained."""

@@ -390,6 +390,15 @@ class RoutingConfig(_Strict):
         "try sticky keys until it lands on the arm it wants.",
     )
 
+    replay_on_another_arm: bool = Field(
+        False,
+        description="Replay a weighted or sticky request whose arm's replica died before "
+        "answering on another running arm. Off (the default): on its own arm, where Ray Serve "
+        "routes it to another replica, or holds it until the dead one's replacement runs "
+        "(minutes for an engine). On: no wait where an arm has one replica, but a request that "
+        "kills engines kills one on each of two arms.",
+    )
+
     def names_arm_to(self, admin: bool) -> bool:
         """Whether an answer to a client (an admin key or not) carries the arm's name."""
         return self.arm_header == "everyone" or admin

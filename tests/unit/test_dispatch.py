@@ -27,7 +27,7 @@ PUBLIC_KEY = "public-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"
 CONFIG = """\
 model: {{name: m, source: /nowhere, accelerator: cpu}}
-routing: {{arm_header: {arm_header}}}
+routing: {{arm_header: {arm_header}, replay_on_another_arm: {replay_on_another_arm}}}
 limits: {{max_tokens: 64, max_total_tokens: 128, body_timeout_s: 0.5{per_key}}}
 guardrail: {{min_acceptance_length: 1.5, window_s: 60, min_drafts: 20, drain_s: 300}}
 arms:
@@ -99,11 +99,16 @@ class Client:
         capture="",
         arm_header="admin",
         sticky_salt: str | None = None,
+        replay_on_another_arm: bool = False,
     ) -> None:
         self.config = tmp_path / "config.yaml"
         self.config.write_text(
             CONFIG.format(
-                per_key=per_key, weight_b=weight_b, capture=capture, arm_header=arm_header
+                per_key=per_key,
+                weight_b=weight_b,
+                capture=capture,
+                arm_header=arm_header,
+                replay_on_another_arm=str(replay_on_another_arm).lower(),
             )
         )
         self.api_keys = tmp_path / "api-keys"
@@ -541,7 +546,9 @@ async def _get(client: Client, path: str, key: str | None) -> int:
 
 def test_a_weighted_request_whose_arm_failed_is_replayed_on_another_arm(tmp_path, monkeypatch):
     # The public key, told its arm: the admin key's replays are spent on the forced request.
-    client = Client(tmp_path, monkeypatch, weight_b=1, arm_header="everyone")
+    client = Client(
+        tmp_path, monkeypatch, weight_b=1, arm_header="everyone", replay_on_another_arm=True
+    )
 
     async def main():
         client.arms.dead = {"a"}
@@ -562,10 +569,11 @@ def test_a_weighted_request_whose_arm_failed_is_replayed_on_another_arm(tmp_path
 
 def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, monkeypatch):
     """Ray Serve holds a request for an arm whose only replica died until a new one runs
-    (minutes for an engine); once the arm is seen stopped, the request goes to another arm."""
+    (minutes for an engine); once the arm is seen stopped, the request goes to another arm
+    (routing.replay_on_another_arm)."""
     from specserve.router.selection import choose_arm
 
-    client = Client(tmp_path, monkeypatch, weight_b=1)
+    client = Client(tmp_path, monkeypatch, weight_b=1, replay_on_another_arm=True)
     both = frozenset({"a", "b"})
     session = next(  # a session the weights place on arm a
         f"s{i}"
@@ -921,5 +929,28 @@ def test_sticky_keys_are_hashed_with_the_deployments_salt(tmp_path, monkeypatch)
             session = moved(arm)
             status, found, _ = await client.request(key=ADMIN_KEY, extra={"x-session-id": session})
             assert status == 200 and found[headers.ARM] == arm
+
+    run(main())
+
+
+def test_by_default_a_replay_stays_on_its_arm_so_a_poison_body_kills_one_arms_engines(
+    tmp_path, monkeypatch
+):
+    client = Client(tmp_path, monkeypatch, weight_b=1, arm_header="everyone")
+
+    async def main():
+        client.arms.dead = {"a"}
+        for i in range(6):
+            body = {"model": MODEL, "prompt": f"hi {i}"}
+            status, found, _ = await client.request(body=body, extra={"x-session-id": f"s{i}"})
+            assert status == 200 or status == 503
+        arms_reached = [r["path"].split("/")[2] for r in client.arms.requests]
+        # Each request that met the dead arm went there twice (the first try and its replay)
+        # and never to b; the others were b's from the start.
+        by_body: dict[bytes, list[str]] = {}
+        for r in client.arms.requests:
+            by_body.setdefault(r["body"], []).append(r["path"].split("/")[2])
+        assert all(set(reached) == {"a"} or reached == ["b"] for reached in by_body.values())
+        assert "a" in arms_reached and "b" in arms_reached
 
     run(main())

@@ -641,10 +641,12 @@ class DispatchState:
             raise
 
     def _replay_arm(self, record: RequestRecord, config: RouterConfig) -> str:
-        """Where a request whose arm failed before answering goes again: a forced request to
-        its arm; one the weights or a sticky key placed to another running arm by the weights
-        (its own arm if no other runs)."""
+        """Where a request whose arm failed before answering goes again: its own arm, or, with
+        `routing.replay_on_another_arm`, for one the weights or a sticky key placed, another
+        running arm by the weights (its own arm if no other runs)."""
         if not record.randomized or self.guard is None:
+            return record.arm
+        if not config.routing.replay_on_another_arm:
             return record.arm
         others = {arm: w for arm, w in config.weights.items() if arm != record.arm}
         try:

@@ -183,6 +183,12 @@ class CodeLoadingOptIn(_Strict):
         default_factory=list,
         description="`env` variables outside the allow-list this arm may set (e.g. LD_PRELOAD).",
     )
+    drafter: bool = Field(
+        False,
+        description="With `trust_remote_code`, vLLM also runs the Python code that ships with "
+        "the drafter's checkpoint (it passes the target's flag on to the draft model): true "
+        "says the operator takes responsibility for that code too.",
+    )
 
 
 class ArmEngineConfig(_Strict):
@@ -310,13 +316,20 @@ class ArmEngineConfig(_Strict):
     def _opt_ins_name_what_is_set(self) -> ArmEngineConfig:
         # An opt-in stays beside the setting it allows: a stale one would allow that setting
         # silently the next time someone adds it.
-        for section, names in self.allow_code_loading.model_dump().items():
+        allowed = self.allow_code_loading
+        for section, names in (("engine", allowed.engine), ("env", allowed.env)):
             unset = sorted(set(names) - set(getattr(self, section)))
             if unset:
                 raise ValueError(
                     f"`allow_code_loading.{section}` names {', '.join(unset)}, which this arm's "
                     f"`{section}` does not set"
                 )
+        drafter = getattr(self.speculative, "model", None)
+        if self.engine.get("trust_remote_code") and drafter and not allowed.drafter:
+            raise ValueError(
+                f"with trust_remote_code vLLM also runs the code that ships with the drafter "
+                f"{drafter}: say so with `allow_code_loading: {{drafter: true}}` on this arm"
+            )
         return self
 
 

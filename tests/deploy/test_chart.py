@@ -206,7 +206,9 @@ def test_gb200_profile_targets_4_gpu_arm64_trays_with_kimi_and_eagle_drafters():
         assert arm["env"]["VLLM_USE_FLASHINFER_MOE_FP4"] == "1"
         # Kimi-K2.6's code ships with its checkpoint: the profile opts in to running it.
         assert arm["engine"]["trust_remote_code"] is True
-        assert arm["allow_code_loading"] == {"engine": ["trust_remote_code"]}
+        # And vLLM passes the flag on to the drafter: the EAGLE arms opt in to its code too.
+        drafter = {"drafter": True} if "model" in arm["speculative"] else {}
+        assert arm["allow_code_loading"] == {"engine": ["trust_remote_code"], **drafter}
     cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
     (workers,) = cluster["workerGroupSpecs"]
     assert workers["rayStartParams"]["num-gpus"] == "4"

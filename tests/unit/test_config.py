@@ -477,6 +477,26 @@ def test_an_opt_in_names_each_setting_it_allows():
         parse_config(arm_text("allow_code_loading: {engine: '*'}"))
 
 
+def test_trust_remote_code_on_an_eagle_arm_needs_the_opt_in_for_its_drafters_code_too():
+    """vLLM passes trust_remote_code on to the draft model config: the drafter's checkpoint's
+    code runs as well as the target's."""
+    eagle = (
+        "speculative: {method: eagle3, model: org/drafter, num_speculative_tokens: 3}, "
+        "engine: {trust_remote_code: true}, allow_code_loading: {engine: [trust_remote_code]"
+    )
+    with pytest.raises(ConfigError, match="also runs the code that ships with the drafter"):
+        parse_config(arm_text(eagle + "}"))
+    arm = parse_config(arm_text(eagle + ", drafter: true}")).arm("no-spec")
+    assert arm.allow_code_loading.drafter
+    # Its builder, which reads the arm's args alone, holds it to the same.
+    from specserve.config import ArmEngineConfig
+
+    assert ArmEngineConfig.model_validate(arm.engine_args()).allow_code_loading.drafter
+    # Without trust_remote_code the drafter's code never runs: nothing to opt in to.
+    plain = "speculative: {method: eagle3, model: org/drafter, num_speculative_tokens: 3}"
+    assert not parse_config(arm_text(plain)).arm("no-spec").allow_code_loading.drafter
+
+
 def test_the_engine_settings_the_projects_configs_use_are_allowed():
     text = arm_text(
         "engine: {dtype: bfloat16, enforce_eager: true, max_num_seqs: 32, kv_cache_dtype: fp8,"

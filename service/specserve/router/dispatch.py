@@ -33,7 +33,8 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.constants import SERVE_LOGGER_NAME
@@ -493,61 +494,11 @@ class DispatchState:
             )
             point = exchange.cut_at()
             if (exchange.unanswered() or point is not None) and not exchange.client_gone:
-                # The arm's replica died (or the arm has none left): replay once, on another
-                # running arm where the weights chose this one; a stream cut mid-way goes on from
-                # where it stood. Never a body whose replay lost its replica too: a request that
-                # kills an engine must not kill another.
-                owner = identity.name if identity is not None else None
-                ticket = await self.replayed.admit(replay_identity(data, owner), owner)
-                if ticket is not None:
-                    failed_arm = record.arm
-                    record.arm = self._replay_arm(record, config)
-                    logger.warning(
-                        "arm %s: %s; %s on arm %s",
-                        failed_arm,
-                        "the replica failed mid-stream"
-                        if point
-                        else "no answer before its replica failed or it stopped running",
-                        "resuming the stream" if point else "replaying the request once",
-                        record.arm,
-                    )
-                    (metrics.count_resume if point else metrics.count_retry)(failed_arm)
-                    self.at_arm[failed_arm] -= 1
-                    self.at_arm[record.arm] += 1
-                    extra = [h for h in extra if h[0] != _ARM]
-                    if show_arm:
-                        extra.append((_ARM, record.arm.encode()))
-                    exchange = _Exchange(
-                        record,
-                        send,
-                        extra,
-                        request_id,
-                        client_wants_usage=wants_usage(data),
-                        resumes=exchange if point else None,
-                        show_arm=show_arm,
-                    )
-                    arm_scope = _arm_scope(
-                        scope,
-                        record.arm,
-                        timeout_s,
-                        point,
-                        # The request again, where it is captured at all; a stream's rest is not.
-                        capture=None
-                        if point
-                        else _capture(config, record.arm, request_headers, identity),
-                    )
-                    fate = Fate.UNKNOWN
-                    try:
-                        await self._at_arm(exchange, self.arms, arm_scope, raw, receive)
-                        fate = exchange.fate()
-                    finally:
-                        ticket.settle(fate)
-                else:
-                    logger.warning(
-                        "arm %s: the replica failed, for a request whose replay (or that of "
-                        "another request of its key) lost its replica too; not replaying it",
-                        record.arm,
-                    )
+                sent = _Sent(scope, receive, send, raw, data, identity, request_headers, show_arm)
+                replay = await self._replay(sent, config, exchange, point)
+                if replay is not None:
+                    exchange = replay.exchange
+                    await replay.run()
             await exchange.finish()
         except _ClientGone:
             record.outcome = OUTCOME_CANCELLED
@@ -558,7 +509,8 @@ class DispatchState:
             record.outcome = OUTCOME_SERVER_ERROR
             logger.exception("dispatch failed on a request to arm %s", record.arm)
             if exchange is None or not exchange.started:
-                await _send_error(send, _internal_error(), [*extra, request_id])
+                answered = exchange.extra if exchange is not None else extra  # a replay's arm
+                await _send_error(send, _internal_error(), [*answered, request_id])
         finally:
             if exchange is not None:
                 self.at_arm[record.arm] -= 1
@@ -570,6 +522,77 @@ class DispatchState:
                 # before it stopped never reaches the router.
                 if record.outcome != OUTCOME_CANCELLED:
                     self.key_limits.settle(identity.name, reserved, record.output_tokens)
+
+    async def _replay(
+        self,
+        sent: _Sent,
+        config: RouterConfig,
+        exchange: _Exchange,
+        point: ResumePoint | None,
+    ) -> _Replay | None:
+        """The arm's replica died (or the arm has none left) before `exchange` ended: replay the
+        request once, on its arm (or, with routing.replay_on_another_arm, another running one
+        where the weights chose it); a stream cut mid-way (`point`) goes on from where it
+        stood. Never a body whose replay lost its replica too, nor one of a key out of such
+        replays: a request that kills an engine must not kill another. -> the replay's
+        exchange and how to run it; None when it is not replayed."""
+        assert self.metrics is not None
+        record = exchange.record
+        owner = sent.identity.name if sent.identity is not None else None
+        ticket = await self.replayed.admit(replay_identity(sent.data, owner), owner)
+        if ticket is None:
+            logger.warning(
+                "arm %s: the replica failed, for a request whose replay (or that of another "
+                "request of its key) lost its replica too; not replaying it",
+                record.arm,
+            )
+            return None
+        failed_arm = record.arm
+        record.arm = self._replay_arm(record, config)
+        logger.warning(
+            "arm %s: %s; %s on arm %s",
+            failed_arm,
+            "the replica failed mid-stream"
+            if point
+            else "no answer before its replica failed or it stopped running",
+            "resuming the stream" if point else "replaying the request once",
+            record.arm,
+        )
+        (self.metrics.count_resume if point else self.metrics.count_retry)(failed_arm)
+        self.at_arm[failed_arm] -= 1
+        self.at_arm[record.arm] += 1
+        extra = [h for h in exchange.extra if h[0] != _ARM]
+        if sent.show_arm:
+            extra.append((_ARM, record.arm.encode()))
+        again = _Exchange(
+            record,
+            sent.send,
+            extra,
+            exchange.request_id,
+            client_wants_usage=wants_usage(sent.data),
+            resumes=exchange if point else None,
+            show_arm=sent.show_arm,
+        )
+        arm_scope = _arm_scope(
+            sent.scope,
+            record.arm,
+            config.limits.request_timeout_s,
+            point,
+            # The request again, where it is captured at all; a stream's rest is not.
+            capture=None
+            if point
+            else _capture(config, record.arm, sent.request_headers, sent.identity),
+        )
+
+        async def run() -> None:
+            fate = Fate.UNKNOWN
+            try:
+                await self._at_arm(again, self.arms, arm_scope, sent.raw, sent.receive)
+                fate = again.fate()
+            finally:
+                ticket.settle(fate)
+
+        return _Replay(again, run)
 
     async def _at_arm(
         self, exchange: _Exchange, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive
@@ -698,6 +721,26 @@ class DispatchState:
             record.guard = None
             record.randomized = False
         return selection.arm
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a request was sent to its arm with: what sending it again takes."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    raw: bytes
+    data: dict[str, Any]
+    identity: Identity | None
+    request_headers: dict[str, str]
+    show_arm: bool
+
+
+@dataclass(frozen=True)
+class _Replay:
+    exchange: _Exchange
+    run: Callable[[], Awaitable[None]]
 
 
 class _Exchange:

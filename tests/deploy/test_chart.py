@@ -191,6 +191,19 @@ def test_cpu_profile_is_the_embedded_default_without_gpus():
     assert not by_kind(objs, "PodMonitor") and not by_kind(objs, "PrometheusRule")
 
 
+@pytest.mark.parametrize(("profile", "spare"), [("cpu", 1), ("gb200", 0)])
+def test_the_workers_number_the_arm_replicas_and_the_profiles_spare(profile, spare):
+    """One engine replica per worker pod (2 CPUs, or a 4-GPU tray): the CPU profile keeps one
+    pod spare, for the replica of a drained or lost one; the GB200 profile none (a tray is
+    expensive; docs/kubernetes.md, "Spare capacity")."""
+    values = _merge_chart_values(profile)
+    arm_replicas = sum(arm.get("replicas", 1) for arm in values["config"]["arms"])
+    cluster = one(render_objects(profile), "RayService")["spec"]["rayClusterConfig"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"]
+    assert workers["replicas"] == arm_replicas + spare
+
+
 def test_gb200_profile_targets_4_gpu_arm64_trays_with_kimi_and_eagle_drafters():
     objs = render_objects("gb200")
     config = _merge_chart_values("gb200")["config"]

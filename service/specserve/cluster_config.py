@@ -70,6 +70,9 @@ LIVE_COMPONENT = "router-config"
 HISTORY_COMPONENT = "config-history"
 REVISION_KEY = "specserve.io/revision"  # an annotation of the live ConfigMap, a label of records
 APPLIED_AT_ANNOTATION = "specserve.io/applied-at"
+# An annotation of the live ConfigMap (the chart's drain.requestSeconds): the longest request the
+# release's pods wait for when they stop. Their spec does not follow a config apply.
+DRAIN_BUDGET_ANNOTATION = "specserve.io/drain-request-seconds"
 CONFIG_KEY = "config.yaml"
 RAY_GROUP, RAY_VERSION, RAYSERVICES = "ray.io", "v1", "rayservices"
 DEFAULT_KEEP = 10
@@ -623,6 +626,19 @@ def live_text(cluster: Cluster) -> str:
     return _config_text(cluster.live_configmap())
 
 
+def _check_drain_budget(live: dict[str, Any], config: RouterConfig) -> None:
+    """A request timeout above the release's drain budget would be cut whenever a pod stops:
+    refused before anything is written."""
+    budget = (live["metadata"].get("annotations") or {}).get(DRAIN_BUDGET_ANNOTATION)
+    timeout = config.limits.request_timeout_s
+    if budget is not None and timeout > float(budget):
+        raise ClusterError(
+            f"limits.request_timeout_s: {timeout:g} s, more than the {float(budget):g} s the "
+            f"release's pods wait for a request when they stop (the chart's "
+            f"drain.requestSeconds): raise that with `helm upgrade` first"
+        )
+
+
 def _config_text(live: dict[str, Any]) -> str:
     text = (live.get("data") or {}).get(CONFIG_KEY)
     if text is None:
@@ -643,6 +659,7 @@ def _switch(
     getting traffic before its application goes.
     """
     live = cluster.live_configmap()
+    _check_drain_budget(live, config)
     service = cluster.rayservice()
     live_name, service_name = live["metadata"]["name"], service["metadata"]["name"]
     old_text = _config_text(live)

@@ -331,6 +331,41 @@ def test_every_ray_pod_drains_before_kubelet_stops_it(profile, timeout_s):
     validate_all(objs)
 
 
+def test_the_drain_has_a_budget_of_its_own_that_a_request_timeout_may_not_exceed():
+    """request_timeout_s changes live (`config apply`) while the pod spec stays: the drain is
+    sized by drain.requestSeconds, and a timeout above it is refused here (and by `config
+    apply`, tests/deploy/test_config_rollout.py) instead of being cut at the next drain."""
+    import helm_python as helm
+
+    values = chart_values("cpu")
+
+    def with_timeout(timeout_s: float) -> dict:
+        config = values["config"]
+        return {**config, "limits": {**config["limits"], "request_timeout_s": timeout_s}}
+
+    def grace(objs) -> set[int]:
+        return {pod["terminationGracePeriodSeconds"] for pod in pod_specs(objs)}
+
+    budget = values["drain"]["requestSeconds"]
+    # A lower timeout leaves the pods as they are: nothing in their spec follows the config.
+    pods = [p for p in render_objects("cpu") if p["kind"] == "RayService"]
+    lower = [p for p in render_objects("cpu", config=with_timeout(60)) if p["kind"] == "RayService"]
+    assert pods[0]["spec"]["rayClusterConfig"] == lower[0]["spec"]["rayClusterConfig"]
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError), match="drain.requestSeconds"):
+        render_objects("cpu", config=with_timeout(budget + 1))
+    longer = render_objects(
+        "cpu",
+        config=with_timeout(budget + 300),
+        drain={**values["drain"], "requestSeconds": budget + 300},
+    )
+    assert grace(longer) == {budget + 300 + values["drain"]["marginSeconds"]}
+    (live,) = [o for o in longer if o["metadata"]["name"] == "specserve-config"]
+    # Where `config apply` reads the budget.
+    assert live["metadata"]["annotations"]["specserve.io/drain-request-seconds"] == str(
+        budget + 300
+    )
+
+
 # More of the same kind
 
 

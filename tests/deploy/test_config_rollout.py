@@ -385,6 +385,25 @@ def test_a_concurrent_change_of_the_live_config_fails_the_apply(cluster, tmp_pat
     assert live_text(cluster) == WEIGHTS
 
 
+def test_a_request_timeout_above_the_pods_drain_budget_is_refused(cluster, tmp_path, capsys):
+    """The pods wait for requests as long as the chart's drain.requestSeconds (the annotation
+    it writes on the live ConfigMap), whatever a config apply says: a longer request timeout
+    would be cut at the next drain, so it is refused before anything is written."""
+    budget = {"metadata": {"annotations": {"specserve.io/drain-request-seconds": "600"}}}
+    cluster.patch(configmaps, NAMESPACE, LIVE, budget, "helm")
+    longer = WEIGHTS.replace("request_timeout_s: 600", "request_timeout_s: 900")
+    assert longer != WEIGHTS
+    requests = len(cluster.requests)
+    assert specserve("apply", write(tmp_path, "longer.yaml", longer)) == 2
+    err = capsys.readouterr().err
+    assert "request_timeout_s: 900 s" in err and "drain.requestSeconds" in err
+    assert live_text(cluster) == DEFAULT and history_revisions(cluster) == set()
+    assert all(method == "GET" for method, _, _ in cluster.requests[requests:])
+    shorter = WEIGHTS.replace("request_timeout_s: 600", "request_timeout_s: 300")
+    assert specserve("apply", write(tmp_path, "shorter.yaml", shorter)) == 0
+    assert live_text(cluster) == shorter
+
+
 def test_wrong_release_or_namespace_names_what_is_missing(cluster, tmp_path, capsys):
     path = write(tmp_path, "weights.yaml", WEIGHTS)
     assert main(["config", "apply", path, "--release", "nope"]) == 2

@@ -117,6 +117,9 @@ not operator versions): the values say it, and the chart's annotation says the o
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if gt (int (include "specserve.requestTimeoutSeconds" .)) (int .Values.drain.requestSeconds) }}
+{{- fail (printf "config.limits.request_timeout_s: %s s, more than drain.requestSeconds (%d s), the longest request the pods' drain waits for: a stopping pod would cut such a request; raise drain.requestSeconds" (include "specserve.requestTimeoutSeconds" .) (int .Values.drain.requestSeconds)) }}
+{{- end }}
 {{- if gt (int .Values.drain.stopSeconds) (int .Values.drain.marginSeconds) }}
 {{- fail "drain.stopSeconds: more than drain.marginSeconds, so the drain would end before the longest request may; raise drain.marginSeconds" }}
 {{- end }}
@@ -168,9 +171,10 @@ unset, as in config.py). */}}
 {{- int (ceil (float64 (dig "limits" "request_timeout_s" 600 .Values.config))) }}
 {{- end }}
 
-{{/* The seconds kubelet gives a stopping Ray pod: the longest request plus drain.marginSeconds. */}}
+{{/* The seconds kubelet gives a stopping Ray pod: the longest request it waits for
+(drain.requestSeconds) plus drain.marginSeconds. */}}
 {{- define "specserve.gracePeriodSeconds" -}}
-{{- add (int (include "specserve.requestTimeoutSeconds" .)) .Values.drain.marginSeconds }}
+{{- add (int .Values.drain.requestSeconds) .Values.drain.marginSeconds }}
 {{- end }}
 
 {{/* The image of every Ray pod: the GPU or CPU build, as the model's accelerator says. */}}
@@ -318,7 +322,7 @@ evicts the pod rather than let captured traffic fill the node's disk. */}}
 # run through it: Ray Serve ends such a proxy once it has no requests of its own, and the
 # dispatch's requests bypass that count (the pod's preStop waits for them instead).
 - name: RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S
-  value: {{ .Values.config.limits.request_timeout_s | quote }}
+  value: {{ .Values.drain.requestSeconds | quote }}
 {{- if and .Values.modelCache.enabled $engines }}
 - name: HF_HOME
   value: {{ include "specserve.hfHome" . }}

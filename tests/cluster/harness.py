@@ -240,9 +240,11 @@ class RenderedCluster:
             ]
         return pod.plan.readiness_commands()
 
-    def api_key(self) -> str:
+    def api_key(self, *, admin: bool = False) -> str:
+        """The chart's API key, or its admin key (which is told the arm that answered)."""
         files = self.rendered.secret_data(self.keys_secret_name())
-        line = next(row for row in files["api-keys"].splitlines() if row.strip() and row[0] != "#")
+        rows = files["admin-keys" if admin else "api-keys"].splitlines()
+        line = next(row for row in rows if row.strip() and row[0] != "#")
         return line.split("=", 1)[1] if "=" in line else line
 
     def keys_secret_name(self) -> str:
@@ -254,7 +256,7 @@ class RenderedCluster:
             client,
             "one",
             self.api_url(pod),
-            self.api_key(),
+            self.api_key(admin=True),  # the tests read which arm answered (routing.arm_header)
             self.model(),
             "stream" if stream else "plain",
         )

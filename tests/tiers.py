@@ -11,8 +11,8 @@ each tier's time, recorded by the run, is held to a budget.
   chart run as a cluster.
 
 A test's tier is the first of e2e, disruptive, live, ray it is marked with, else ray for a test
-marked `own_cluster`, else unit. A session
-prints each tier's time and fails when one outgrew its budget (BUDGETS_S): durations are summed
+marked `own_cluster`, else unit. A session prints each tier's time and fails when one outgrew
+its budget (BUDGETS_S): durations are summed
 over the tests of a tier that ran (set-up, call and tear-down, the session platform's start
 included), so a run of part of a tier can only come in under it. They are also written to
 DURATIONS, one entry per test, merged over runs.
@@ -35,7 +35,8 @@ import pytest
 UNIT, RAY, LIVE, DISRUPTIVE, E2E = "unit", "ray", "live", "disruptive", "e2e"
 TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is marked with
 # Seconds per tier on the 2-core machine (the README's), with room to grow: a run of all tiers
-# measured unit 75, ray 544, live 641, disruptive 438, e2e 835 and tests/cluster 344 on it.
+# measured unit 68, ray 420, live 559, disruptive 392, e2e 832 and tests/cluster 335 on it (and
+# unit 75, ray 544, live 641, disruptive 438, e2e 835 with other work beside it).
 # `make test` runs the suite, then tests/cluster (e2e) in a pytest run of its own: the two runs'
 # budgets together, at most TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum), leave a
 # third of CI's 90 minutes to spare.
@@ -43,6 +44,8 @@ BUDGETS_S = {UNIT: 120, RAY: 660, LIVE: 780, DISRUPTIVE: 540, E2E: 960}
 CLUSTER_BUDGET_S = 480  # tests/cluster: e2e, in a pytest run of its own
 TOTAL_BUDGET_S = 60 * 60
 DURATIONS = Path(__file__).resolve().parent.parent / "build" / "test-durations.json"
+# Programs that are Python, beside an interpreter: a unit test may not start them.
+PYTHON_PROGRAMS = frozenset({"torchrun", "ray", "specserve"})
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -85,16 +88,7 @@ def starts_python(args) -> bool:
     if not argv:
         return False
     program = Path(argv[0]).name
-    return (
-        argv[0] == sys.executable
-        or program.startswith("python")
-        or program
-        in {
-            "torchrun",
-            "ray",
-            "specserve",
-        }
-    )
+    return argv[0] == sys.executable or program.startswith("python") or program in PYTHON_PROGRAMS
 
 
 @contextmanager

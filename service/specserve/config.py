@@ -402,7 +402,6 @@ class RoutingConfig(_Strict):
         "(everyone where no API keys are configured), or `everyone`. A client told its arm can "
         "try sticky keys until it lands on the arm it wants.",
     )
-
     replay_on_another_arm: bool = Field(
         False,
         description="Replay a weighted or sticky request whose arm's replica died before "

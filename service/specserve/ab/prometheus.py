@@ -190,11 +190,12 @@ class Prometheus:
         the increase of its request counter by outcome."""
         window = f"{max(1, math.ceil(at - since))}s"
         counter = f"{_name(REQUESTS)}_total"
-        found = {}
-        for key, selector in (("failed", f',{OUTCOME}="{OUTCOME_SERVER_ERROR}"'), ("all", "")):
+
+        def increase(selector: str) -> float:
             rows = self.vector(f'sum(increase({counter}{{{ARM}="{arm}"{selector}}}[{window}]))', at)
-            found[key] = rows[0][1] if rows else 0.0
-        return found["failed"], found["all"]
+            return rows[0][1] if rows else 0.0
+
+        return increase(f',{OUTCOME}="{OUTCOME_SERVER_ERROR}"'), increase("")
 
     def drained(self, arm: str, at: float) -> bool:
         """Whether any router's acceptance guardrail holds `arm` drained."""

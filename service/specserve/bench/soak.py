@@ -413,8 +413,7 @@ def markdown(report: dict[str, Any]) -> str:
     for arm, row in report["by_arm"].items():
         lines.append(
             f"| {arm or 'not named to this key'} | {row['completed']} | {row['p50']:.0f} | "
-            f"{row['p95']:.0f} | "
-            f"{row['p99']:.0f} |"
+            f"{row['p95']:.0f} | {row['p99']:.0f} |"
         )
     lines += ["", "| process | RSS start MiB | RSS end MiB | slope, 2nd half, MiB/min |"]
     lines.append("| --- | --- | --- | --- |")

@@ -667,9 +667,7 @@ class DispatchState:
         """Where a request whose arm failed before answering goes again: its own arm, or, with
         `routing.replay_on_another_arm`, for one the weights or a sticky key placed, another
         running arm by the weights (its own arm if no other runs)."""
-        if not record.randomized or self.guard is None:
-            return record.arm
-        if not config.routing.replay_on_another_arm:
+        if not (record.randomized and config.routing.replay_on_another_arm) or self.guard is None:
             return record.arm
         others = {arm: w for arm, w in config.weights.items() if arm != record.arm}
         try:

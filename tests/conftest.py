@@ -310,20 +310,16 @@ class Prometheus:
         return [rule for group in groups for rule in group["rules"]]
 
 
-@pytest.fixture(scope="module")
-def prometheus(live, tmp_path_factory):
-    """Debian's Prometheus server scraping the platform's metrics port every second, with
-    specserve's alert rules loaded (the file the Helm chart ships). One per module that reads
-    it: answering a scrape every second costs Ray's metrics agent ~1/3 of a core, which the
-    modules after it should not pay."""
+@contextmanager
+def prometheus_server(root: Path, target: str, rule_files: tuple[Path, ...] = ()) -> Iterator[str]:
+    """Debian's Prometheus server scraping `target` (host:port) every second, with `rule_files`
+    loaded, its data under `root`; -> its URL once ready."""
     if shutil.which("prometheus") is None:
         unavailable("prometheus server not installed (apt-get install prometheus)")
-    root = tmp_path_factory.mktemp("prometheus")
-    rules = Path(__file__).resolve().parent.parent / "helm/specserve/rules/specserve-rules.yaml"
-    target = live.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    rules = ", ".join(f"'{path}'" for path in rule_files)
     (root / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{rules}']\n"
+        f"rule_files: [{rules}]\n"
         "scrape_configs:\n"
         f"  - job_name: specserve\n    static_configs: [{{targets: ['{target}']}}]\n"
     )
@@ -349,10 +345,22 @@ def prometheus(live, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "Prometheus did not become ready"
             time.sleep(0.5)
-        yield Prometheus(url)
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(live, tmp_path_factory):
+    """A real Prometheus scraping the platform's metrics port every second, with specserve's
+    alert rules loaded (the file the Helm chart ships). One per module that reads it: answering
+    a scrape every second costs Ray's metrics agent ~1/3 of a core, which the modules after it
+    should not pay."""
+    rules = Path(__file__).resolve().parent.parent / "helm/specserve/rules/specserve-rules.yaml"
+    target = live.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    with prometheus_server(tmp_path_factory.mktemp("prometheus"), target, (rules,)) as url:
+        yield Prometheus(url)
 
 
 # Where a test runs in the session. pytest-randomly shuffles the modules and the tests in each

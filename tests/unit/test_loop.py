@@ -5,6 +5,13 @@ tests/unit/test_ab*.py)."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -241,16 +248,13 @@ def test_a_second_loop_on_the_work_directory_is_refused_while_the_first_lives(tm
 def dead_loop(tmp_path, live: Path, challenger: str | None) -> Path:
     """The record of a loop whose process died (a pid that has exited) with `challenger` added
     to the live config (the file at `live`); -> its work dir."""
-    import json
-    import subprocess
-
     gone = subprocess.Popen(["true"])
     gone.wait()
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     record = {
         "pid": gone.pid,
-        "host": __import__("socket").gethostname(),
+        "host": socket.gethostname(),
         "process_started": 0.0,
         "incumbent": "eagle3.1",
         "revision_before": revision_of(live.read_bytes()),
@@ -290,7 +294,7 @@ def test_the_next_loop_takes_out_the_challenger_a_dead_loop_left(tmp_path, cli_s
 
     assert loop.remove_left_behind(stale, local.live_text, apply, log=lambda _: None)
     assert arms(live.read_text()) == arms(DEFAULT.read_text())
-    assert record.read()["pid"] == __import__("os").getpid()  # the directory is this run's now
+    assert record.read()["pid"] == os.getpid()  # the directory is this run's now
 
 
 def test_abort_takes_out_a_dead_loops_challenger_and_its_record(tmp_path, cli_store, capsys):
@@ -361,3 +365,67 @@ def test_undo_returns_to_the_revision_before_the_loop_in_one_step(tmp_path, cli_
     assert arms(live.read_text())["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
     assert cli.main(["loop", "--undo", "--local", str(live), "--work-dir", str(work)]) == 0
     assert live.read_text() == before
+
+
+class _Counters(http.server.BaseHTTPRequestHandler):
+    """A metrics port as Ray exports the router's request counter: `lines` is what it says."""
+
+    lines: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = ("\n".join(self.lines) + "\n").encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.ray  # a Prometheus server of its own
+def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometheus(tmp_path):
+    """The query behind `Experiment.errors`: the challenger's server errors and all its
+    requests since the experiment began, other outcomes and other arms left out. (A query
+    Prometheus refused would read as "no report yet" and the guardrail would never fire.)"""
+    from specserve.ab.prometheus import Prometheus
+    from specserve.metrics import ENDPOINT, EXPORT_PREFIX, OUTCOME, REQUESTS
+    from tests.conftest import prometheus_server
+
+    def counters(ok: int, failed: int, elsewhere: int) -> list[str]:
+        name = f"{EXPORT_PREFIX}{REQUESTS}_total"
+        row = '{name}{{arm="{arm}",{e}="/v1/chat/completions",{o}="{outcome}"}} {n}'
+        return [
+            f"# TYPE {name} counter",
+            row.format(name=name, arm="c", e=ENDPOINT, o=OUTCOME, outcome="ok", n=ok),
+            row.format(name=name, arm="c", e=ENDPOINT, o=OUTCOME, outcome="server_error", n=failed),
+            row.format(name=name, arm="c", e=ENDPOINT, o=OUTCOME, outcome="client_error", n=5),
+            row.format(
+                name=name, arm="d", e=ENDPOINT, o=OUTCOME, outcome="server_error", n=elsewhere
+            ),
+        ]
+
+    _Counters.lines = counters(ok=0, failed=0, elsewhere=0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    target = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with prometheus_server(tmp_path, target) as url:
+            prometheus, since = Prometheus(url), time.time()
+            name = f"{EXPORT_PREFIX}{REQUESTS}_total"
+
+            def scraped(total: float) -> None:
+                """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
+                deadline = time.monotonic() + 30
+                while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
+                    assert time.monotonic() < deadline, f"no scrape of {total} requests"
+                    time.sleep(0.5)
+
+            scraped(5)  # the counters before the experiment's requests
+            _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
+            scraped(45)  # and after them
+            failed, answered = prometheus.errors("c", since, time.time())
+    finally:
+        server.shutdown()
+    # increase() extrapolates to the window's ends, alike for series scraped together.
+    assert answered > 0 and failed / answered == pytest.approx(3 / 40)

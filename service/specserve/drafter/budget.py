@@ -14,9 +14,11 @@ its prepared directory. Each stage takes its share of the budget:
    padded batches (`generate`, left padding, sorted by length); when its share is spent it
    takes no new batch and the build goes on with the answers it has;
 2. hidden states (10 %): `features_batched` over every answered sequence;
-3. training (50 %): EAGLE-3 and EAGLE-3.1 in turn with the same data, vocabulary and seed, the
-   batched trainer, `--updates` (the recipe's long budget) or fewer: a probe of 20 updates
-   measures the rate and the count is cut to fit each drafter's half of the share;
+3. training (50 %, and whatever the first two stages left unused): EAGLE-3 and EAGLE-3.1 in
+   turn with the same data, vocabulary and seed, the batched trainer, the recipe's long budget
+   of answer tokens or fewer: a probe of 20 updates measures the rate and the count is cut to
+   fit each drafter's half. On a GPU an update holds 4x the CPU recipe's answer tokens at 2x
+   its learning rate (`RECIPES`): 512-token updates leave it idle;
 4. export (vLLM's format) and scoring (5 %): offline acceptance (greedy drafting simulated on
    the target's own states) at k = 3 on each held-out set, beside the pair it is compared with
    (default: the shipped one) on the same sequences; `report.json` says which is better.
@@ -46,7 +48,10 @@ from specserve.drafter.train import (
 )
 
 SHARES = {"answers": 0.30, "features": 0.10, "training": 0.50, "scoring": 0.05}
-LONG_BUDGET_UPDATES = 15_000  # the recipe's long run (docs/drafters.md)
+LONG_BUDGET_UPDATES = 15_000  # the recipe's long run (docs/drafters.md), in its 512-token updates
+# Per device, what differs from `TrainConfig`'s recipe: on a GPU bigger updates (the square-root
+# rule for the learning rate), so the long budget's answer tokens fit minutes, not hours.
+RECIPES: dict[str, dict[str, Any]] = {"cuda": {"tokens_per_update": 2048, "lr": 2e-3}, "cpu": {}}
 EVAL_K = 3
 HELD_OUT_SETS = {"chat": "chat", "code": "coding", "long": "long", "perturbed": "perturbed"}
 PACKAGED = Path(__file__).resolve().parents[1] / "drafters"  # the shipped pair
@@ -176,15 +181,17 @@ def fit_updates(
     seconds: float,
     probe: int = 20,
 ) -> int:
-    """Updates that fit `seconds` at the rate a probe of `probe` updates measures (on a copy of
-    the model, in a directory of its own), at most `config.updates`."""
+    """Updates that fit what the probe leaves of `seconds` at the rate a probe of `probe`
+    updates measures (on a copy of the model, in a directory of its own), at most
+    `config.updates`; a tenth is kept for validation and export."""
     import copy
 
     started = time.monotonic()
     probe_config = replace(config, updates=probe, checkpoint_every=1 << 30, validate_every=1 << 30)
     train(copy.deepcopy(model), records, out / "probe", probe_config, desc="probe")
-    per_update = (time.monotonic() - started) / probe
-    fitting = max(probe, int(seconds / per_update))
+    spent = time.monotonic() - started
+    per_update = spent / probe
+    fitting = max(probe, int(0.9 * (seconds - spent) / per_update))
     _log(f"{per_update * 1000:.0f} ms per update: {fitting} fit the share")
     return min(config.updates, fitting)
 
@@ -224,6 +231,7 @@ def run(
     compare: Path | None = PACKAGED,
     draft_vocab_size: int = 8192,
     train_config: TrainConfig | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The four stages (module docstring) within `minutes`; -> the report (`work/report.json`)."""
     from transformers import AutoConfig
@@ -265,19 +273,22 @@ def run(
     )
 
     t = time.monotonic()
-    config = train_config or TrainConfig(updates=updates, validate_every=max(1, updates // 10))
+    config = train_config
+    if config is None:  # the device's recipe, for the long budget's answer tokens
+        config = TrainConfig(**{**RECIPES.get(device.type, {}), **(recipe or {})})
+        updates = max(1, updates * TrainConfig.tokens_per_update // config.tokens_per_update)
     config = replace(config, updates=updates)
-    per_drafter = SHARES["training"] * budget / len(VARIANTS)
     trained: dict[str, Drafter] = {}
     fitted: dict[str, int] = {}
-    for name, switches in VARIANTS.items():
+    training_ends = started + (1 - SHARES["scoring"]) * budget
+    for i, (name, switches) in enumerate(VARIANTS.items()):
         t_drafter = time.monotonic()
+        per_drafter = (training_ends - t_drafter) / (len(VARIANTS) - i)
         model = new_drafter(target_dir, training, draft_vocab_size=draft_vocab_size, **switches)
         model = model.to(device)
         out = work / name
         left = per_drafter - (time.monotonic() - t_drafter)
         fitted[name] = fit_updates(model, training, out, config, left)
-        left = per_drafter - (time.monotonic() - t_drafter)
         run_config = replace(
             config,
             updates=fitted[name],
@@ -413,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run_p.add_argument("--updates", type=int, default=LONG_BUDGET_UPDATES, help="at most")
     run_p.add_argument("--max-new-tokens", type=int, default=256)
-    run_p.add_argument("--compare", type=Path, default=PACKAGED, help="a pair to score beside")
+    run_p.add_argument("--tokens-per-update", type=int, help="default: the device's recipe")
+    run_p.add_argument("--lr", type=float, help="default: the device's recipe")
+    run_p.add_argument(
+        "--compare", default=str(PACKAGED), help="a pair to score beside ('none': score alone)"
+    )
     args = parser.parse_args(argv)
     if args.command == "prompts":
         print(write_prompts(args.out, args.train_prompts, args.per_set))
@@ -426,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         device=torch.device(args.device),
         updates=args.updates,
         max_new_tokens=args.max_new_tokens,
-        compare=args.compare,
+        compare=None if args.compare == "none" else Path(args.compare),
+        recipe={
+            k: v
+            for k, v in (("tokens_per_update", args.tokens_per_update), ("lr", args.lr))
+            if v is not None
+        },
     )
     print(markdown(report))
     print(json.dumps({k: report[k] for k in ("minutes", "stages_s", "updates")}))

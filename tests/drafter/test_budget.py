@@ -51,6 +51,7 @@ def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny
     assert first["answered"] == 36 and first["sequences"]["training"] > 0
     assert set(first["stages_s"]) == {"answers", "hidden states", "training", "scoring"}
     assert all(0 < n <= 30 for n in first["updates"].values())
+    assert all(0 < first["updates_done"][k] <= n for k, n in first["updates"].items())
     for name in VARIANTS:
         export = Drafter.from_pretrained(first["exports"][name])
         assert export.config.fc_norm == (name == "eagle3.1")

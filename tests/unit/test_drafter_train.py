@@ -3,6 +3,7 @@ early stopping, resuming."""
 
 import json
 import pickle
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -96,6 +97,32 @@ def test_training_learns_validates_and_ends_on_the_best_weights(tmp_path):
     assert len(lengths) == 2 and lengths[1] < lengths[0]
     for name, tensor in continued.state_dict().items():
         torch.testing.assert_close(tensor, start[name])
+
+
+class SlowList(list):
+    """Records whose every read takes a little time, so a deadline comes mid-run."""
+
+    def __getitem__(self, index):
+        time.sleep(0.01)
+        return super().__getitem__(index)
+
+
+def test_training_stops_at_its_deadline_validated_checkpointed_and_on_its_best_weights(tmp_path):
+    records, validation = (
+        SlowList(sequence(i) for i in range(20)),
+        [sequence(100 + i) for i in range(4)],
+    )
+    config = TrainConfig(updates=1000, tokens_per_update=64, lr=1e-2, validate_every=400)
+    model = train(
+        drafter(), records, tmp_path, config, validation=validation, deadline=time.monotonic() + 1
+    )
+    history = json.loads((tmp_path / "validation.json").read_text())
+    stopped = history[-1]["update"]
+    assert 0 < stopped < 1000  # ~50 updates of 2 reads at 10 ms
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["update"] == stopped
+    best = max(1 + sum(h["chain"]) for h in history)
+    after = offline_acceptance(model, validation, steps=3).mean_acceptance_length
+    assert after == pytest.approx(best)
 
 
 class Interrupted(Exception):
@@ -228,8 +255,8 @@ def test_a_padded_batch_has_the_loss_and_gradients_of_its_sequences_one_by_one(f
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return total, right, seen, grads
 
-    together = loss_and_grads([collate(records, 3, 1 << 30)])
-    alone = loss_and_grads([collate([r], 3, 1 << 30) for r in records])
+    together = loss_and_grads([collate(records, 3, 1 << 30, finals=True)])
+    alone = loss_and_grads([collate([r], 3, 1 << 30, finals=True) for r in records])
     torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-4)
     assert together[1].tolist() == alone[1].tolist()
     assert together[2].tolist() == alone[2].tolist()

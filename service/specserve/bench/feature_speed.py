@@ -6,7 +6,8 @@ Runs `drafter.data.features_batched` (the target's forward with every layer's hi
 three captured layers and the final state kept, copied back to the host in bf16) over synthetic
 token sequences of `--seq-len` tokens, once per padded-tokens-per-forward budget (1: one
 sequence per forward), side by side in one process. Needs torch, transformers and the prepared
-target directory only, so it runs on a bare GPU machine.
+target directory only, so it runs on a bare GPU machine. The pass's speed depends on the
+target's shape alone: `--random-weights` needs only its config.json (no weights to bring).
 """
 
 from __future__ import annotations
@@ -49,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 4096])
     parser.add_argument("--seq-len", type=int, default=600)
     parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument(
+        "--random-weights", action="store_true", help="the target's shape from its config only"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else getattr(torch, fast_dtype())
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
-    model = model.to(device).eval()  # type: ignore[arg-type]
     config = AutoConfig.from_pretrained(args.target)
+    if args.random_weights:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]
     layers = DrafterConfig.for_target(config).aux_layer_ids
     g = torch.Generator().manual_seed(0)
     sequences = [

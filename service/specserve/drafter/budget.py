@@ -53,6 +53,7 @@ LONG_BUDGET_UPDATES = 15_000  # the recipe's long run (docs/drafters.md), in its
 # rule for the learning rate), so the long budget's answer tokens fit minutes, not hours.
 RECIPES: dict[str, dict[str, Any]] = {"cuda": {"tokens_per_update": 2048, "lr": 2e-3}, "cpu": {}}
 EVAL_K = 3
+VALIDATIONS = 11  # in a run: where it starts, then every tenth of its updates
 HELD_OUT_SETS = {"chat": "chat", "code": "coding", "long": "long", "perturbed": "perturbed"}
 PACKAGED = Path(__file__).resolve().parents[1] / "drafters"  # the shipped pair
 
@@ -179,20 +180,35 @@ def fit_updates(
     out: Path,
     config: TrainConfig,
     seconds: float,
+    *,
+    validation: list[dict] | None = None,
     probe: int = 20,
+    warmup: int = 3,
 ) -> int:
-    """Updates that fit what the probe leaves of `seconds` at the rate a probe of `probe`
-    updates measures (on a copy of the model, in a directory of its own), at most
-    `config.updates`; a tenth is kept for validation and export."""
+    """Updates that fit `seconds`, less what this probe takes and the run's validations, at the
+    rate `probe` updates measure after `warmup` untimed ones (the device's first updates pay
+    its start-up), on a copy of the model in a directory of its own; at most `config.updates`.
+    A tenth is kept for the export and the rate's noise."""
     import copy
 
     started = time.monotonic()
-    probe_config = replace(config, updates=probe, checkpoint_every=1 << 30, validate_every=1 << 30)
-    train(copy.deepcopy(model), records, out / "probe", probe_config, desc="probe")
-    spent = time.monotonic() - started
-    per_update = spent / probe
-    fitting = max(probe, int(0.9 * (seconds - spent) / per_update))
-    _log(f"{per_update * 1000:.0f} ms per update: {fitting} fit the share")
+    trial = copy.deepcopy(model)
+    quiet = replace(config, checkpoint_every=1 << 30, validate_every=1 << 30)
+    train(trial, records, out / "warm-up", replace(quiet, updates=warmup), desc="warm-up")
+    timed = time.monotonic()
+    train(trial, records, out / "probe", replace(quiet, updates=probe), desc="probe")
+    per_update = (time.monotonic() - timed) / probe
+    per_validation = 0.0
+    if validation:
+        timed = time.monotonic()
+        offline_acceptance(trial, validation, config.steps, config.batch_tokens)
+        per_validation = time.monotonic() - timed
+    left = seconds - (time.monotonic() - started) - VALIDATIONS * per_validation
+    fitting = max(probe, int(0.9 * left / per_update))
+    _log(
+        f"{per_update * 1000:.0f} ms per update, {per_validation:.1f} s per validation: "
+        f"{fitting} updates fit the share"
+    )
     return min(config.updates, fitting)
 
 
@@ -280,6 +296,7 @@ def run(
     config = replace(config, updates=updates)
     trained: dict[str, Drafter] = {}
     fitted: dict[str, int] = {}
+    done: dict[str, int] = {}  # fewer than fitted where the deadline came first
     training_ends = started + (1 - SHARES["scoring"]) * budget
     for i, (name, switches) in enumerate(VARIANTS.items()):
         t_drafter = time.monotonic()
@@ -288,14 +305,25 @@ def run(
         model = model.to(device)
         out = work / name
         left = per_drafter - (time.monotonic() - t_drafter)
-        fitted[name] = fit_updates(model, training, out, config, left)
+        fitted[name] = fit_updates(model, training, out, config, left, validation=validation)
         run_config = replace(
             config,
             updates=fitted[name],
             validate_every=max(1, fitted[name] // 10),
             checkpoint_every=max(1, fitted[name] // 4),
         )
-        train(model, training, out, run_config, validation=validation, desc=f"train {name}")
+        # The probe's rate is an estimate: the share's end is a deadline, whatever it says.
+        deadline = t_drafter + per_drafter
+        train(
+            model,
+            training,
+            out,
+            run_config,
+            validation=validation,
+            desc=f"train {name}",
+            deadline=deadline,
+        )
+        done[name] = _updates_done(out, fitted[name])
         model.cpu().export(out / "export")
         trained[name] = model.to(device)
     stage("training", t)
@@ -321,6 +349,7 @@ def run(
         "answered": len(answered),
         "sequences": {"training": len(training), "validation": len(validation)},
         "updates": fitted,
+        "updates_done": done,
         "train_config": asdict(config),
         "exports": {name: str(work / name / "export") for name in trained},
         "scores": scores,
@@ -329,6 +358,14 @@ def run(
     (work / "report.json").write_text(json.dumps(report, indent=1))
     _log(f"done in {report['minutes']:.1f} min; report: {work / 'report.json'}")
     return report
+
+
+def _updates_done(out: Path, planned: int) -> int:
+    """The update of the run's last validation (`train` validates where it stops)."""
+    history = out / "validation.json"
+    if not history.exists():
+        return planned
+    return json.loads(history.read_text())[-1]["update"]
 
 
 def _better(scores: list[dict], names: list[str], compare: Path | None) -> dict[str, bool] | None:
@@ -449,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(markdown(report))
-    print(json.dumps({k: report[k] for k in ("minutes", "stages_s", "updates")}))
+    print(json.dumps({k: report[k] for k in ("minutes", "stages_s", "updates", "updates_done")}))
     return 0
 
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,15 +183,16 @@ class Batch:
         )
 
 
-def collate(records: list[dict], steps: int, max_len: int) -> Batch:
-    """`sequence_batch` of each record, padded to the longest and stacked."""
+def collate(records: list[dict], steps: int, max_len: int, finals: bool = False) -> Batch:
+    """`sequence_batch` of each record, padded to the longest and stacked; the target's final
+    states only with `finals` (soft labels), as they double the bytes built and copied."""
     parts = [sequence_batch(r, steps, max_len) for r in records]
     T = max(aux.shape[1] for aux, *_ in parts)
     first = min(p[4] for p in parts)
     aux = torch.zeros(len(parts), T, parts[0][0].shape[-1], dtype=parts[0][0].dtype)
     inputs = torch.zeros(len(parts), T + steps - 1, dtype=torch.long)
     labels = [torch.full((len(parts), T), -100, dtype=torch.long) for _ in range(steps)]
-    has_finals = all(p[3] is not None for p in parts)
+    has_finals = finals and all(p[3] is not None for p in parts)
     finals = []
     if has_finals:
         width, dtype = parts[0][3][0].shape[-1], parts[0][3][0].dtype
@@ -311,17 +313,21 @@ def train(
     validation: list[dict] | None = None,
     target_head: torch.Tensor | None = None,
     desc: str = "train",
+    deadline: float | None = None,
 ) -> Drafter:
     """Train `model` on `records`. With `config.soft_labels` > 0 and the target's output head
     for the draft vocabulary (`target_head`, (V_draft, H)), that share of the loss is the
     cross-entropy against the target's whole next-token distribution, recomputed from the
-    captured final states, instead of against its greedy token alone."""
+    captured final states, instead of against its greedy token alone. At `deadline` (a
+    `time.monotonic()` value) it stops early: validated, checkpointed, on the best weights."""
     out_dir.mkdir(parents=True, exist_ok=True)
     soft_weight = config.soft_labels
     if soft_weight and target_head is None:
         raise ValueError("soft_labels needs the target's output head (target_head)")
     device = next(model.parameters()).device
     rank, world = _group()
+    if deadline is not None and world > 1:
+        raise ValueError("a deadline needs one process: ranks could stop at different updates")
     teacher_head = target_head.float().to(device) if target_head is not None else None
     torch.manual_seed(config.seed)
     order_rng = random.Random(config.seed)
@@ -395,7 +401,9 @@ def train(
         counted = torch.zeros(config.steps, device=device, dtype=torch.long)
         lengths = [sequence_length(r, config.max_len) for r in mine]
         for group in plan_forwards(lengths, batch_tokens_for(config.batch_tokens, device)):
-            batch = collate([mine[i] for i in group], config.steps, config.max_len).to(device)
+            group_records = [mine[i] for i in group]
+            batch = collate(group_records, config.steps, config.max_len, finals=soft_weight > 0)
+            batch = batch.to(device)
             loss, right, seen = batch_loss(model, batch, weights, soft_weight, teacher_head)
             (loss / config.tokens_per_update).backward()
             loss_sum += loss.detach()
@@ -424,9 +432,10 @@ def train(
         )
         if rank != 0:
             continue
-        if validation and (update % config.validate_every == 0 or update == total_updates):
+        last = update == total_updates or (deadline is not None and time.monotonic() > deadline)
+        if validation and (update % config.validate_every == 0 or last):
             validate()
-        if update % config.checkpoint_every == 0 or update == total_updates:
+        if update % config.checkpoint_every == 0 or last:
             torch.save(
                 {
                     "model": model.state_dict(),
@@ -443,6 +452,9 @@ def train(
                 checkpoint.with_suffix(".tmp"),
             )
             checkpoint.with_suffix(".tmp").rename(checkpoint)
+        if last and update < total_updates:
+            bar.write(f"{desc}: the deadline came at update {update} of {total_updates}")
+            break
     bar.close()
     if best["model"] is not None:
         model.load_state_dict(best["model"])

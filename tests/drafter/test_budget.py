@@ -3,6 +3,7 @@ scores) on a tiny target, in a tiny budget on the CPU: the path a GPU machine ru
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,21 @@ def test_a_tiny_budget_runs_every_stage_and_scores_beside_the_compared_pair(tiny
         assert export.config.fc_norm == (name == "eagle3.1")
     assert {r["set"] for r in first["scores"]} == {"chat", "coding"}
     assert first["better_than_compared"] is None
+
+    # `score` on the exports: the run's own scores, from the same greedy answers.
+    exports = [Path(first["exports"][name]) for name in VARIANTS]
+    rescored = budget.score_exports(
+        tiny_target,
+        tmp_path / "prompts.jsonl",
+        exports,
+        sets=["chat"],
+        device=torch.device("cpu"),
+        max_new_tokens=24,
+    )
+    by_run = {r["drafter"]: r["acceptance_length"] for r in first["scores"] if r["set"] == "chat"}
+    assert {r["drafter"]: r["acceptance_length"] for r in rescored} == pytest.approx(
+        {str(Path(first["exports"][name])): by_run[name] for name in VARIANTS}
+    )
 
     pair = tmp_path / "pair"  # compare a second run against the first's exports
     for name in VARIANTS:

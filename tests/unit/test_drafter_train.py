@@ -255,8 +255,8 @@ def test_a_padded_batch_has_the_loss_and_gradients_of_its_sequences_one_by_one(f
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return total, right, seen, grads
 
-    together = loss_and_grads([collate(records, 3, 1 << 30, finals=True)])
-    alone = loss_and_grads([collate([r], 3, 1 << 30, finals=True) for r in records])
+    together = loss_and_grads([collate(records, 3, 1 << 30, with_finals=True)])
+    alone = loss_and_grads([collate([r], 3, 1 << 30, with_finals=True) for r in records])
     torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-4)
     assert together[1].tolist() == alone[1].tolist()
     assert together[2].tolist() == alone[2].tolist()

@@ -17,8 +17,9 @@ its prepared directory. Each stage takes its share of the budget:
 3. training (50 %, and whatever the first two stages left unused): EAGLE-3 and EAGLE-3.1 in
    turn with the same data, vocabulary and seed, the batched trainer, the recipe's long budget
    of answer tokens or fewer: a probe of 20 updates measures the rate and the count is cut to
-   fit each drafter's half. On a GPU an update holds 4x the CPU recipe's answer tokens at 2x
-   its learning rate (`RECIPES`): 512-token updates leave it idle;
+   fit each drafter's half, and its share's end is a deadline. On a GPU an update holds 8x the
+   CPU recipe's answer tokens at ~2.8x its learning rate (`RECIPES`, the square-root rule):
+   512-token updates leave it idle;
 4. export (vLLM's format) and scoring (5 %): offline acceptance (greedy drafting simulated on
    the target's own states) at k = 3 on each held-out set, beside the pair it is compared with
    (default: the shipped one) on the same sequences; `report.json` says which is better.
@@ -51,7 +52,9 @@ SHARES = {"answers": 0.30, "features": 0.10, "training": 0.50, "scoring": 0.05}
 LONG_BUDGET_UPDATES = 15_000  # the recipe's long run (docs/drafters.md), in its 512-token updates
 # Per device, what differs from `TrainConfig`'s recipe: on a GPU bigger updates (the square-root
 # rule for the learning rate), so the long budget's answer tokens fit minutes, not hours.
-RECIPES: dict[str, dict[str, Any]] = {"cuda": {"tokens_per_update": 2048, "lr": 2e-3}, "cpu": {}}
+# An H200 takes 14.5 updates/s at 2,048 answer tokens and 13.6 at 4,096 (docs/bench/trainer.md):
+# 4,096 fits the long budget's tokens (1,875 updates) in ~2.5 minutes per drafter.
+RECIPES: dict[str, dict[str, Any]] = {"cuda": {"tokens_per_update": 4096, "lr": 2.8e-3}, "cpu": {}}
 EVAL_K = 3
 VALIDATIONS = 11  # in a run: where it starts, then every tenth of its updates
 HELD_OUT_SETS = {"chat": "chat", "code": "coding", "long": "long", "perturbed": "perturbed"}
@@ -232,6 +235,40 @@ def score(
                 }
             )
     return rows
+
+
+def score_exports(
+    target_dir: str,
+    prompts: Path,
+    exports: list[Path],
+    *,
+    sets: list[str],
+    device: torch.device,
+    max_new_tokens: int = 256,
+) -> list[dict[str, Any]]:
+    """Offline acceptance at k = 3 of exported drafters (named by their paths) on the held-out
+    prompts of `sets`, answered by the target here: the `run`'s scoring for drafters made
+    elsewhere, on the same sequences for all."""
+    from transformers import AutoConfig
+
+    from specserve.drafter.model import DrafterConfig
+
+    rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["split"] == "held_out" and r["kind"] in sets]
+    batch = 256 if device.type == "cuda" else 16
+    answered = generate_answers(
+        target_dir,
+        rows,
+        device,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch,
+        seconds=float("inf"),
+    )
+    layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target_dir)).aux_layer_ids
+    records = hidden_states(target_dir, answered, device, layers)
+    embed = target_weights(target_dir)["embed"]
+    drafters = {str(p): Drafter.from_pretrained(p, embed).to(device) for p in exports}
+    return score(drafters, records)
 
 
 def run(
@@ -453,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts_p.add_argument("--out", type=Path, required=True)
     prompts_p.add_argument("--train-prompts", type=int, default=2600)
     prompts_p.add_argument("--per-set", type=int, default=24, help="held-out prompts per set")
+    score_p = sub.add_parser("score", help="exported drafters side by side on held-out prompts")
+    score_p.add_argument("--target", required=True, help="the prepared target's directory")
+    score_p.add_argument("--prompts", type=Path, required=True, help="from `prompts`")
+    score_p.add_argument("--drafters", type=Path, nargs="+", required=True, help="exports")
+    score_p.add_argument("--sets", nargs="+", default=list(HELD_OUT_SETS.values()))
+    score_p.add_argument("--max-new-tokens", type=int, default=256)
+    score_p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run_p = sub.add_parser("run", help="answers, hidden states, both drafters, scores")
     run_p.add_argument("--target", required=True, help="the prepared target's directory")
     run_p.add_argument("--prompts", type=Path, required=True, help="from `prompts`")
@@ -469,6 +513,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "prompts":
         print(write_prompts(args.out, args.train_prompts, args.per_set))
+        return 0
+    if args.command == "score":
+        rows = score_exports(
+            args.target,
+            args.prompts,
+            args.drafters,
+            sets=args.sets,
+            device=torch.device(args.device),
+            max_new_tokens=args.max_new_tokens,
+        )
+        print(markdown({"scores": rows}))
         return 0
     report = run(
         args.target,

@@ -183,16 +183,16 @@ class Batch:
         )
 
 
-def collate(records: list[dict], steps: int, max_len: int, finals: bool = False) -> Batch:
+def collate(records: list[dict], steps: int, max_len: int, with_finals: bool = False) -> Batch:
     """`sequence_batch` of each record, padded to the longest and stacked; the target's final
-    states only with `finals` (soft labels), as they double the bytes built and copied."""
+    states only `with_finals` (soft labels), as they double the bytes built and copied."""
     parts = [sequence_batch(r, steps, max_len) for r in records]
     T = max(aux.shape[1] for aux, *_ in parts)
     first = min(p[4] for p in parts)
     aux = torch.zeros(len(parts), T, parts[0][0].shape[-1], dtype=parts[0][0].dtype)
     inputs = torch.zeros(len(parts), T + steps - 1, dtype=torch.long)
     labels = [torch.full((len(parts), T), -100, dtype=torch.long) for _ in range(steps)]
-    has_finals = finals and all(p[3] is not None for p in parts)
+    has_finals = with_finals and all(p[3] is not None for p in parts)
     finals = []
     if has_finals:
         width, dtype = parts[0][3][0].shape[-1], parts[0][3][0].dtype
@@ -402,7 +402,9 @@ def train(
         lengths = [sequence_length(r, config.max_len) for r in mine]
         for group in plan_forwards(lengths, batch_tokens_for(config.batch_tokens, device)):
             group_records = [mine[i] for i in group]
-            batch = collate(group_records, config.steps, config.max_len, finals=soft_weight > 0)
+            batch = collate(
+                group_records, config.steps, config.max_len, with_finals=soft_weight > 0
+            )
             batch = batch.to(device)
             loss, right, seen = batch_loss(model, batch, weights, soft_weight, teacher_head)
             (loss / config.tokens_per_update).backward()

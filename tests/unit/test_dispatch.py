@@ -712,7 +712,7 @@ USAGE_CHUNKS = [
 @pytest.mark.parametrize("usage_chunk", USAGE_CHUNKS)
 @pytest.mark.parametrize("client_wants_usage", [False, True])
 def test_the_usage_chunk_is_read_in_any_json_spelling(usage_chunk, client_wants_usage):
-    from specserve.router.dispatch import _Exchange
+    from specserve.router.exchange import Exchange
     from specserve.router.record import RequestRecord
 
     record = RequestRecord(endpoint="chat", arm="a")
@@ -721,7 +721,7 @@ def test_the_usage_chunk_is_read_in_any_json_spelling(usage_chunk, client_wants_
     async def send(message):
         sent.append(message)
 
-    exchange = _Exchange(
+    exchange = Exchange(
         record, send, [], (b"x-request-id", b"r"), client_wants_usage=client_wants_usage
     )
     # A content chunk that talks about "usage" (and an empty list) is not the usage chunk.

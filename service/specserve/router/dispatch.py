@@ -7,11 +7,12 @@ body in one Ray Serve handle call to a replica of the arm (wire/arm_calls.py), w
 the schema and serves it from its engine (engine/front.py). There is no router replica between
 proxy and arm (that hop cost 2-5 ms), nor Ray Serve's HTTP path to the replica (its call back to
 the proxy for the body and its routing by path cost more).
-On the way back the dispatch names the arm and config revision in the response headers, records
-the request in the per-arm metrics (latency, tokens, acceptance, outcome), feeds the acceptance
-guardrail, replays a request once whose arm replica died before answering (a stream cut
-mid-way is resumed from where it stood, wire/resume.py), and turns Ray Serve's own refusals (a
-full queue, no replica) into OpenAI errors.
+On the way back (router/exchange.py: one request's trip to its arm and back) the dispatch names
+the arm and config revision in the response headers, records the request in the per-arm metrics
+(latency, tokens, acceptance, outcome), feeds the acceptance guardrail, replays a request once
+whose arm replica died before answering (a stream cut mid-way is resumed from where it stood,
+wire/resume.py), and turns Ray Serve's own refusals (a full queue, no replica) into OpenAI
+errors.
 
 Everything else (`/ready`, `/v1/models`, `/openapi.json`, ...) passes through to the router
 application, which also carries the dispatch's settings: the config path and poll interval in its
@@ -64,8 +65,9 @@ from specserve.router.arm_states import (
     ServeState,
     read_serve_state,
 )
+from specserve.router.exchange import ARM, Exchange, internal_error, send_error, send_json
 from specserve.router.guardrail import AcceptanceGuard
-from specserve.router.record import REJECTED_STATUSES, InFlight, RequestRecord, outcome_of_status
+from specserve.router.record import InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import Fate, ReplayedBodies, replay_identity
 from specserve.router.selection import (
     ArmNotRunningError,
@@ -82,17 +84,12 @@ from specserve.serve_config import (
     STICKY_SALT_FILE_ARG,
 )
 from specserve.watch import ConfigWatcher
-from specserve.wire.arm_calls import ArmCalls, ASGIApp, Message, Receive, Scope, Send
+from specserve.wire.arm_calls import ArmCalls, ASGIApp, Receive, Scope, Send
 from specserve.wire.auth import Identity, KeyLimits, KeyRing, admin_required
 from specserve.wire.errors import (
-    MID_STREAM_FAILURE,
     OVERLOAD_RETRY_AFTER_S,
-    OVERLOAD_STATUS,
-    SSE_DONE,
     OpenAIError,
     arm_overloaded,
-    error_body,
-    error_event,
 )
 from specserve.wire.requests import (
     ENDPOINT_OF_PATH,
@@ -104,18 +101,16 @@ from specserve.wire.requests import (
     salt_for_key,
     wants_usage,
 )
-from specserve.wire.resume import ResumePoint, resumable, resume_point
+from specserve.wire.resume import ResumePoint, resumable
 
 logger = logging.getLogger(__name__)
 
-_ARM = headers.ARM.encode()
-_USAGE = headers.USAGE.encode()
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
 _RESUME_FROM = headers.RESUME_FROM.encode()
 _CAPTURE = headers.CAPTURE.encode()
 # Request headers a client may not pass on to an arm: its key, the platform's own, and those
 # that steer Ray Serve.
-_NOT_FOR_ARMS = frozenset(
+_NOT_FORARMS = frozenset(
     name.encode()
     for name in (
         headers.AUTHORIZATION,
@@ -129,15 +124,9 @@ _NOT_FOR_ARMS = frozenset(
 _REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 # A body larger than this is parsed in a thread, off the proxy's event loop (~1 ms of CPU).
 PARSE_OFF_LOOP_BYTES = 64 * 1024
-_SSE_EVENT_END = b"\n\n"
 API_PREFIX = "/v1/"
 BODY_REQUEST_ID = "request_id"  # vLLM's own body field: the answer's id when given
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "OPTIONS"})  # what any route here answers
-_ERROR_EVENT = b'data: {"error"'
-_SSE_DONE = SSE_DONE.encode()
-# The usage chunk an arm ends its stream with: `usage` and no choices, whatever the JSON's
-# spacing or key order. The pattern only picks the events worth parsing.
-_MAYBE_USAGE = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
 def middlewares() -> list[Middleware]:
@@ -179,7 +168,7 @@ class Dispatch:
         if scope["method"] not in HTTP_METHODS:
             # Ray Serve's proxy labels its metrics with the method: any other name would be a new
             # series, and no route here takes one.
-            await _send_error(send, method_not_allowed(scope["method"]), [_request_id(scope)])
+            await send_error(send, method_not_allowed(scope["method"]), [_request_id(scope)])
             return
         endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
@@ -376,7 +365,7 @@ class DispatchState:
             draining=state.shutting_down,
         )
         status = 200 if found.ready else 503
-        await _send_json(send, status, found.body(), [_request_id(scope)])
+        await send_json(send, status, found.body(), [_request_id(scope)])
 
     def _check_key(self, scope: Scope, admin_for: str | None = None) -> None:
         """401 for a missing or wrong API key; 403 for a public key where `admin_for` (an admin
@@ -393,7 +382,7 @@ class DispatchState:
                 raise OpenAIError(503, "the router is starting; retry shortly", code="starting")
             self._check_key(scope)
         except OpenAIError as exc:
-            await _send_error(send, exc, [_request_id(scope)])
+            await send_error(send, exc, [_request_id(scope)])
             return
         await app(_without_key(scope), receive, send)
 
@@ -405,12 +394,12 @@ class DispatchState:
         request_id = _request_id(scope)
         if not await self._deployed() or arm not in self.serve_state.exposed:
             not_found = OpenAIError(404, f"no route {scope['path']}")
-            await _send_error(send, not_found, [request_id])
+            await send_error(send, not_found, [request_id])
             return
         try:
             self._check_key(scope, admin_for="an arm's own routes")
         except OpenAIError as exc:
-            await _send_error(send, exc, [request_id])
+            await send_error(send, exc, [request_id])
             return
         await app(_without_key(scope), receive, send)
 
@@ -423,7 +412,7 @@ class DispatchState:
         loaded = self.loaded
         if loaded is None or self.metrics is None or self.guard is None:
             unreadable = OpenAIError(503, "the router's config file cannot be read; see its log")
-            await _send_error(send, unreadable, [_request_id(scope)])
+            await send_error(send, unreadable, [_request_id(scope)])
             return
         metrics, config = self.metrics, loaded.config
         # Every answer names the config revision that handled it, and the arm once one is chosen;
@@ -431,7 +420,7 @@ class DispatchState:
         extra = [(headers.CONFIG_REVISION.encode(), loaded.revision.encode())]
         request_id = _request_id(scope)  # on the request too: the arm logs it under the same
         record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
-        exchange: _Exchange | None = None
+        exchange: Exchange | None = None
         identity: Identity | None = None
         show_arm = False
         reserved = 0
@@ -457,7 +446,7 @@ class DispatchState:
                 # arm could try sticky keys until it had the one it wants.
                 show_arm = config.routing.names_arm_to(identity is None or identity.admin)
                 if show_arm:
-                    extra.append((_ARM, record.arm.encode()))
+                    extra.append((ARM, record.arm.encode()))
                 checked = check_limits(data, config, endpoint)
                 # A body's own request id would be the answer's id, past the rule for ids.
                 rewritten = data.pop(BODY_REQUEST_ID, None) is not None or checked.rewritten
@@ -470,9 +459,9 @@ class DispatchState:
                 reserved = self._reserve(identity, config, checked.tokens)
             except OpenAIError as exc:
                 record.outcome = outcome_of_status(exc.status)
-                await _send_error(send, exc, [*extra, request_id])
+                await send_error(send, exc, [*extra, request_id])
                 return
-            exchange = _Exchange(
+            exchange = Exchange(
                 record,
                 send,
                 extra,
@@ -510,7 +499,7 @@ class DispatchState:
             logger.exception("dispatch failed on a request to arm %s", record.arm)
             if exchange is None or not exchange.started:
                 answered = exchange.extra if exchange is not None else extra  # a replay's arm
-                await _send_error(send, _internal_error(), [*answered, request_id])
+                await send_error(send, internal_error(), [*answered, request_id])
         finally:
             if exchange is not None:
                 self.at_arm[record.arm] -= 1
@@ -527,7 +516,7 @@ class DispatchState:
         self,
         sent: _Sent,
         config: RouterConfig,
-        exchange: _Exchange,
+        exchange: Exchange,
         point: ResumePoint | None,
     ) -> _Replay | None:
         """The arm's replica died (or the arm has none left) before `exchange` ended: replay the
@@ -561,10 +550,10 @@ class DispatchState:
         (self.metrics.count_resume if point else self.metrics.count_retry)(failed_arm)
         self.at_arm[failed_arm] -= 1
         self.at_arm[record.arm] += 1
-        extra = [h for h in exchange.extra if h[0] != _ARM]
+        extra = [h for h in exchange.extra if h[0] != ARM]
         if sent.show_arm:
-            extra.append((_ARM, record.arm.encode()))
-        again = _Exchange(
+            extra.append((ARM, record.arm.encode()))
+        again = Exchange(
             record,
             sent.send,
             extra,
@@ -595,7 +584,7 @@ class DispatchState:
         return _Replay(again, run)
 
     async def _at_arm(
-        self, exchange: _Exchange, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive
+        self, exchange: Exchange, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive
     ) -> None:
         """The exchange with its arm; taken back if the arm stops running before answering (its
         only replica died: Ray Serve would hold the request until a new replica runs, minutes
@@ -737,237 +726,12 @@ class _Sent:
 
 @dataclass(frozen=True)
 class _Replay:
-    exchange: _Exchange
+    exchange: Exchange
     run: Callable[[], Awaitable[None]]
-
-
-class _Exchange:
-    """One request's trip to its arm and back: what the client is sent, and what the router
-    records of it."""
-
-    def __init__(
-        self,
-        record: RequestRecord,
-        send: Send,
-        extra: list[tuple[bytes, bytes]],
-        request_id: tuple[bytes, bytes],
-        *,
-        client_wants_usage: bool,
-        endpoint: str | None = None,
-        resumes: _Exchange | None = None,
-        show_arm: bool = True,
-    ) -> None:
-        self.record = record
-        self.send = send
-        self.extra = extra  # on every answer (the arm's get the request id from Ray Serve)
-        self.show_arm = show_arm  # the arm's own header reaches the client
-        self.request_id = request_id
-        self.client_wants_usage = client_wants_usage
-        self.started = False  # a response began (the arm's, or Ray Serve's own refusal)
-        self.foreign: Message | None = None  # Ray Serve's own response start, held back
-        self.status = 0
-        self.stream = False
-        self.complete = False
-        self.client_gone = False
-        # A resumable stream's endpoint, and what the stream has sent the client (to resume it
-        # from, if its replica dies mid-way); the exchange this one resumes, if it does.
-        self.endpoint: str | None = resumes.endpoint if resumes else endpoint
-        self.sent: list[bytes] = resumes.sent if resumes else []
-        self.resumes = resumes is not None
-
-    def unanswered(self) -> bool:
-        """Whether neither the arm nor a replica of it answered: its replica died before
-        answering, or Ray Serve found no replica (503) or no application (404) for it."""
-        if not self.started:
-            return True
-        return self.foreign is not None and int(self.foreign["status"]) in (404, 503)
-
-    def fate(self) -> Fate:
-        """How this exchange went, as a replay: answered to the end, its replica lost before or
-        while answering, or nothing learnt (the client left; Ray Serve refused it)."""
-        if self.client_gone or self.foreign is not None:
-            return Fate.UNKNOWN
-        return Fate.ANSWERED if self.started and self.complete else Fate.REPLICA_DIED
-
-    async def run(self, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive) -> None:
-        replayed = False
-
-        async def receive_body() -> Message:
-            nonlocal replayed
-            if not replayed:  # the body was read to route the request: hand it on once
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.client_gone = True
-            return message
-
-        await app(scope, receive_body, self._send)
-
-    def cut_at(self) -> ResumePoint | None:
-        """Where a resumable stream stands that its replica cut mid-way (None for any other
-        request, and for a stream whose answer had ended: only its end was lost)."""
-        if self.endpoint is None or not self.stream or self.complete or self.foreign:
-            return None
-        point = resume_point(b"".join(self.sent), self.endpoint)
-        return None if point is None or point.finished else point
-
-    async def _send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.started = True
-            self.status = int(message["status"])
-            response_headers = list(message.get("headers") or ())
-            if not any(name == _ARM for name, _ in response_headers):
-                self.foreign = message  # not the arm's answer: Ray Serve refused the request
-                return
-            if self.resumes:  # the client has the first stream's start
-                self.stream = self.status == 200
-                return
-            kept = []
-            for name, value in response_headers:
-                if name == _USAGE:
-                    self._read_usage(value)
-                elif name == _ARM and not self.show_arm:
-                    continue
-                elif name == self.request_id[0]:
-                    continue  # the dispatch's own, below: one id per answer
-                elif name == b"content-type" and value.startswith(b"text/event-stream"):
-                    self.stream = True
-                    kept.append((name, value))
-                else:
-                    kept.append((name, value))
-            message["headers"] = [
-                *kept,
-                *(h for h in self.extra if h[0] != _ARM),
-                self.request_id,  # as Ray Serve's replicas answer it
-            ]
-        elif kind == "http.response.body":
-            if not message.get("more_body", False):
-                self.complete = True
-            if self.foreign is not None or (self.resumes and not self.stream):
-                return
-            if self.stream:
-                if self.endpoint is not None:
-                    self.sent.append(message.get("body", b""))
-                message["body"] = self._observe_events(message.get("body", b""))
-        await self.send(message)
-
-    def _observe_events(self, body: bytes) -> bytes:
-        if self.record.first_token_at is None and body:
-            self.record.first_token_at = time.perf_counter()
-        if body.startswith(_ERROR_EVENT):  # the arm cut the stream short
-            self.record.outcome = OUTCOME_SERVER_ERROR
-        if b'"usage"' not in body:
-            return body
-        kept = []
-        for event in body.split(_SSE_EVENT_END):
-            payload = self._usage_chunk(event)
-            if payload is not None:
-                self.record.read_usage(payload.get("usage"), payload.get("metrics"))
-                if not self.client_wants_usage:
-                    continue
-            kept.append(event)
-        return _SSE_EVENT_END.join(kept)
-
-    def _usage_chunk(self, event: bytes) -> dict[str, Any] | None:
-        """The payload of `event` if it is the usage chunk (`data: {...}` with `usage` and
-        empty `choices`), else None."""
-        if b'"usage"' not in event or not _MAYBE_USAGE.search(event):
-            return None
-        data = event.strip()
-        if not data.startswith(b"data:"):
-            return None
-        try:
-            payload = json.loads(data.removeprefix(b"data:"))
-        except ValueError:
-            logger.warning("unparseable usage from arm %s", self.record.arm)
-            return None
-        if isinstance(payload, dict) and payload.get("choices") == [] and "usage" in payload:
-            return payload
-        return None
-
-    def _read_usage(self, value: bytes) -> None:
-        try:
-            payload = json.loads(value)
-        except ValueError:
-            logger.warning("unparseable usage from arm %s", self.record.arm)
-            return
-        self.record.read_usage(payload.get("usage"), payload.get("metrics"))
-
-    async def finish(self) -> None:
-        """After the arm (or Ray Serve) is done: settle the outcome, answer what is unanswered."""
-        record = self.record
-        if self.resumes and not (self.stream and self.complete):
-            await self._cut()
-        elif self.foreign is not None:
-            record.outcome = outcome_of_status(await self._answer_refusal())
-        elif not self.started:
-            if self.client_gone:
-                record.outcome = OUTCOME_CANCELLED
-                return
-            record.outcome = OUTCOME_SERVER_ERROR
-            error = OpenAIError(
-                503,
-                f"arm {record.arm!r} failed twice for this request; retry later",
-                code="engine_unavailable",
-                headers={headers.RETRY_AFTER: "1"},
-            )
-            await _send_error(self.send, error, [*self.extra, self.request_id])
-        elif not self.complete:
-            await self._cut()
-        elif self.status >= 400:
-            record.outcome = outcome_of_status(self.status)
-        # Otherwise ok, or a stream the arm cut short with an error event (already recorded).
-
-    async def _cut(self) -> None:
-        """End a stream the arm did not finish with an error event, never silently (a JSON answer
-        cut short can only end); one whose answer had ended with `[DONE]` (only that was lost)."""
-        if self.client_gone:
-            self.record.outcome = OUTCOME_CANCELLED
-            return
-        point = resume_point(b"".join(self.sent), self.endpoint) if self.endpoint else None
-        if point is not None and point.finished:
-            end = _SSE_DONE
-        else:
-            self.record.outcome = OUTCOME_SERVER_ERROR
-            logger.warning("arm %s: the answer was cut mid-way", self.record.arm)
-            cut = self.stream or self.resumes
-            end = error_event(500, MID_STREAM_FAILURE).encode() if cut else b""
-        await self.send({"type": "http.response.body", "body": end, "more_body": False})
-
-    async def _answer_refusal(self) -> int:
-        """Ray Serve answered instead of the arm: its queue was full (429), no replica could
-        take the request (503), or the arm's application is gone (404)."""
-        assert self.foreign is not None
-        status = int(self.foreign["status"])
-        ray_headers = dict(self.foreign.get("headers") or ())
-        retry_after = ray_headers.get(
-            headers.RETRY_AFTER.encode(), str(OVERLOAD_RETRY_AFTER_S).encode()
-        ).decode()
-        arm = self.record.arm
-        if status == OVERLOAD_STATUS:
-            error = arm_overloaded(arm, retry_after)
-        elif status in REJECTED_STATUSES or status == 404:
-            error = OpenAIError(
-                503,
-                f"arm {arm!r} has no replica to take the request; retry shortly",
-                code="engine_unavailable",
-                headers={headers.RETRY_AFTER: retry_after},
-            )
-        else:
-            logger.error("arm %s: Ray Serve answered %d", arm, status)
-            error = _internal_error()
-        await _send_error(self.send, error, [*self.extra, self.request_id])
-        return error.status
 
 
 class _ClientGone(Exception):
     """The client disconnected."""
-
-
-def _internal_error() -> OpenAIError:
-    return OpenAIError(500, "Internal Server Error", type="server_error")
 
 
 async def _read_body(
@@ -1042,7 +806,7 @@ def _arm_scope(
 
 
 def _passes_to_arm(name: bytes) -> bool:
-    if name in _NOT_FOR_ARMS:
+    if name in _NOT_FORARMS:
         return False
     normalized = name.decode("latin-1").lower().replace("-", "_")
     return normalized != headers.RAY_SERVE_MULTIPLEXED_MODEL_ID
@@ -1067,19 +831,6 @@ def _request_id(scope: Scope) -> tuple[bytes, bytes]:
     return name, new
 
 
-async def _send_json(
-    send: Send, status: int, payload: dict[str, Any], extra: list[tuple[bytes, bytes]]
-) -> None:
-    body = json.dumps(payload).encode()
-    response_headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *extra,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": response_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 def method_not_allowed(method: str) -> OpenAIError:
     shown = method if len(method) <= 32 and method.isprintable() else f"{method[:32]!r}..."
     return OpenAIError(
@@ -1088,11 +839,3 @@ def method_not_allowed(method: str) -> OpenAIError:
         code="method_not_allowed",
         headers={headers.ALLOW: ", ".join(sorted(HTTP_METHODS))},
     )
-
-
-async def _send_error(send: Send, error: OpenAIError, extra: list[tuple[bytes, bytes]]) -> None:
-    body = error_body(
-        error.status, error.message, param=error.param, code=error.code, type=error.type
-    )
-    more = [(k.encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await _send_json(send, error.status, body, [*extra, *more])

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from specserve import config_policy, headers, k_schedule
+from specserve.capture.store import DEFAULT_MAX_BYTES
 
 # The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
 # this long at most for its requests, each of which its own timeout ends sooner.
@@ -353,6 +354,13 @@ class CaptureConfig(_Strict):
         gt=0,
         le=365 * 86_400,
         description="Records older than this are deleted (a week by default; at most a year).",
+    )
+    max_bytes: int = Field(
+        DEFAULT_MAX_BYTES,
+        ge=1 << 20,
+        le=1 << 40,
+        description="Most bytes of records each engine replica keeps on disk (1 GiB by "
+        "default); the oldest are deleted first, and a record over a tenth of it is dropped.",
     )
 
 

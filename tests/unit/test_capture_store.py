@@ -122,12 +122,13 @@ def test_purging_everything_also_deletes_adapts_copies_and_keeps_its_drafters(tm
 
 
 def test_bounds_travel_in_a_header_and_nothing_else_passes_for_them():
-    bounds = Bounds(max_records=500, max_age_s=60.0)
+    bounds = Bounds(max_records=500, max_age_s=60.0, max_bytes=1 << 20)
     assert Bounds.from_header(bounds.header()) == bounds
     for bad in (
         "",
         "{}",
         "[1]",
+        '{"max_records": 5, "max_age_s": 1, "max_bytes": 0}',
         '{"max_records": 0, "max_age_s": 1}',
         '{"max_records": 5, "max_age_s": "inf"}',
         '{"max_records": "x", "max_age_s": 1}',
@@ -149,3 +150,26 @@ def test_a_directory_no_arm_can_be_named_is_not_an_arm(tmp_path):
     assert len(list(store.read(tmp_path))) == 3
     store.purge(tmp_path)
     assert (tmp_path / "_adapt" / "drafters").is_dir()
+
+
+def test_a_writer_keeps_at_most_max_bytes_however_long_its_records(tmp_path):
+    bounds = Bounds(max_records=100_000, max_age_s=86_400, max_bytes=20_000)
+    writer = CaptureWriter(tmp_path, "eagle3", "r1")
+    for i in range(400):  # ~250 bytes each: 100 KB written against a cap of 20 KB
+        assert writer.put(Record("eagle3", "chat", [i] * 40, [i, i + 1], "stop"), bounds)
+    dropped = []
+    writer.on_dropped = dropped.append
+    huge = Record("eagle3", "chat", list(range(1000)), [1], "stop")  # over a tenth of the cap
+    assert writer.put(huge, bounds)
+    writer.close()
+    files = list((tmp_path / "eagle3").iterdir())
+    assert sum(f.stat().st_size for f in files) <= 20_000
+    assert all(f.stat().st_size <= 2_000 for f in files)  # rotated at a tenth of the cap
+    kept = [r.prompt_token_ids[0] for r in store.read(tmp_path)]
+    assert len(kept) >= 40 and kept == list(range(400 - len(kept), 400))  # the newest
+    assert dropped == [1]  # the record a file could not hold, counted
+
+
+def test_bounds_from_a_router_that_sends_no_byte_cap_get_the_default():
+    old = '{"max_records": 500, "max_age_s": 60.0}'
+    assert Bounds.from_header(old) == Bounds(500, 60.0, store.DEFAULT_MAX_BYTES)

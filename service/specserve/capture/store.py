@@ -6,8 +6,10 @@ complete once the next one is begun.
 One JSON object a line (`Record`). Files are written by one thread per writer, never on an
 event loop, readable by their owner only (they hold prompts: token ids decode to the text).
 
-Bounds, per writer: at most `max_records` records (the oldest files are deleted first) and no
-file older than `max_age_s` (checked on every rotation and every `PRUNE_EVERY_S`); a writer also
+Bounds, per writer: at most `max_records` records and `max_bytes` bytes (the oldest files are
+deleted first; a file is also rotated once it holds a tenth of `max_bytes`, so one long-context
+record after another cannot grow a file past the cap) and no file older than `max_age_s`
+(checked on every rotation and every `PRUNE_EVERY_S`); a writer also
 deletes the arm's files of other shards once they are older than `max_age_s`, so a stopped
 replica's records age out too. A writer
 whose queue is full drops the record and counts it: capture never slows serving.
@@ -34,6 +36,7 @@ SUFFIX = ".jsonl"
 ROTATE_RECORDS = 1000
 PRUNE_EVERY_S = 60.0
 QUEUE_SIZE = 1024
+DEFAULT_MAX_BYTES = 1 << 30  # per engine replica, also the config's default (CaptureConfig)
 # A shard's files: `<shard>-<n>.jsonl`; the shard is a replica's id, made safe for a file name.
 _FILE = re.compile(r"^(?P<shard>[A-Za-z0-9._-]+)-(?P<n>\d+)\.jsonl$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -58,19 +61,29 @@ class Bounds:
 
     max_records: int
     max_age_s: float
+    max_bytes: int = DEFAULT_MAX_BYTES
 
     def header(self) -> str:
-        return json.dumps({"max_records": self.max_records, "max_age_s": self.max_age_s})
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_header(cls, value: str) -> Bounds:
-        """The bounds a header carries; ValueError for anything else."""
+        """The bounds a header carries (one without `max_bytes`, from a router of the release
+        before, gets the default); ValueError for anything else."""
         try:
             found = json.loads(value)
-            bounds = cls(int(found["max_records"]), float(found["max_age_s"]))
-        except (ValueError, TypeError, KeyError) as exc:
+            bounds = cls(
+                int(found["max_records"]),
+                float(found["max_age_s"]),
+                int(found.get("max_bytes", DEFAULT_MAX_BYTES)),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not capture bounds: {value[:100]!r}") from exc
-        if bounds.max_records < 1 or not 0 < bounds.max_age_s < float("inf"):
+        if (
+            bounds.max_records < 1
+            or bounds.max_bytes < 1
+            or not 0 < bounds.max_age_s < float("inf")
+        ):
             raise ValueError(f"capture bounds out of range: {value[:100]!r}")
         return bounds
 
@@ -115,23 +128,29 @@ class CaptureWriter:
 
     def _run(self) -> None:
         out = None
-        written, last_prune = 0, 0.0
+        written, size, last_prune = 0, 0, 0.0
         while True:
             item = self._queue.get()
             if item is None:
                 break
             record, bounds = item
             try:
-                if out is None or written >= _rotate_at(bounds):
+                line = json.dumps(asdict(record), separators=(",", ":")) + "\n"
+                if len(line) > bounds.max_bytes // 10:  # it would be a file of its own
+                    self.on_dropped(1)
+                    continue
+                full = size + len(line) > _rotate_bytes(bounds)
+                if out is None or written >= _rotate_at(bounds) or full:
                     if out is not None:
                         out.close()
-                    out, written = self._next_file(), 0
+                    out, written, size = self._next_file(), 0, 0
                     last_prune = self._prune(bounds)
                 elif self.clock() - last_prune > PRUNE_EVERY_S:
                     last_prune = self._prune(bounds)
-                out.write(json.dumps(asdict(record), separators=(",", ":")) + "\n")
+                out.write(line)
                 out.flush()
                 written += 1
+                size += len(line)
                 self.on_written(1)
             except OSError:
                 logger.exception("capture: cannot write under %s; record dropped", self.directory)
@@ -148,9 +167,10 @@ class CaptureWriter:
         return os.fdopen(fd, "w", encoding="utf-8")
 
     def _prune(self, bounds: Bounds) -> float:
-        """Delete this shard's files past the bounds: too old, or beyond `max_records` (oldest
-        first; the newest file, being written, stays). Files of other shards (replicas that
-        stopped, or others of the arm) go once they are too old."""
+        """Delete this shard's files past the bounds: too old, or beyond `max_records` or
+        `max_bytes` (oldest first; the newest file, being written, stays, with room kept for
+        it). Files of other shards (replicas that stopped, or others of the arm) go once they
+        are too old."""
         now = self.clock()
         files = list(_files(self.directory))
         for shard, _, path in files:
@@ -159,17 +179,20 @@ class CaptureWriter:
                     if now - path.stat().st_mtime > bounds.max_age_s:
                         path.unlink(missing_ok=True)
         mine = sorted((n, path) for shard, n, path in files if shard == self.shard)
-        kept = 0
+        kept, kept_bytes = 0, 0
         for _, path in reversed(mine[:-1]):
             try:
-                too_old = now - path.stat().st_mtime > bounds.max_age_s
+                info = path.stat()
                 records = _count_lines(path)
             except FileNotFoundError:
                 continue
-            if too_old or kept + records > bounds.max_records - _rotate_at(bounds):
+            too_old = now - info.st_mtime > bounds.max_age_s
+            too_many = kept + records > bounds.max_records - _rotate_at(bounds)
+            too_big = kept_bytes + info.st_size > bounds.max_bytes - _rotate_bytes(bounds)
+            if too_old or too_many or too_big:
                 path.unlink(missing_ok=True)
             else:
-                kept += records
+                kept, kept_bytes = kept + records, kept_bytes + info.st_size
         return now
 
 
@@ -177,6 +200,11 @@ def _rotate_at(bounds: Bounds) -> int:
     """Records per file: small enough that the files kept and the one being written stay
     within `max_records` together."""
     return max(1, min(ROTATE_RECORDS, bounds.max_records // 10))
+
+
+def _rotate_bytes(bounds: Bounds) -> int:
+    """Bytes per file, likewise within `max_bytes`."""
+    return max(1, bounds.max_bytes // 10)
 
 
 def _files(directory: Path) -> Iterator[tuple[str, int, Path]]:

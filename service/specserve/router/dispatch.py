@@ -780,7 +780,7 @@ def _capture(
             return None
     if random.random() >= settings.sample:
         return None
-    return Bounds(settings.max_records, settings.max_age_s)
+    return Bounds(settings.max_records, settings.max_age_s, settings.max_bytes)
 
 
 def _arm_scope(

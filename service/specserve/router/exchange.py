@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import time
+from enum import Enum
 from typing import Any
 
 from specserve import headers
@@ -40,6 +41,17 @@ _SSE_DONE = SSE_DONE.encode()
 _MAYBE_USAGE = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
+class Answer(Enum):
+    """Who has answered an exchange so far: the arm (its answer names it in a header) or Ray
+    Serve in its place (a full queue, no replica, no application), told apart on the first
+    message."""
+
+    NONE = "none"  # nothing yet: the replica may still answer, or it died first
+    ARM = "arm"  # the arm's answer began
+    ARM_ENDED = "arm ended"  # and its last part came
+    RAY_SERVE = "ray serve"  # Ray Serve's own response: held back, answered as an OpenAI error
+
+
 class Exchange:
     """One request's trip to its arm and back: what the client is sent, and what the router
     records of it."""
@@ -62,11 +74,10 @@ class Exchange:
         self.show_arm = show_arm  # the arm's own header reaches the client
         self.request_id = request_id
         self.client_wants_usage = client_wants_usage
-        self.started = False  # a response began (the arm's, or Ray Serve's own refusal)
-        self.foreign: Message | None = None  # Ray Serve's own response start, held back
+        self.answer = Answer.NONE
+        self.refusal: Message | None = None  # Ray Serve's response start, when it answered
         self.status = 0
-        self.stream = False
-        self.complete = False
+        self.stream = False  # the answer is an event stream
         self.client_gone = False
         # A resumable stream's endpoint, and what the stream has sent the client (to resume it
         # from, if its replica dies mid-way); the exchange this one resumes, if it does.
@@ -74,19 +85,24 @@ class Exchange:
         self.sent: list[bytes] = resumes.sent if resumes else []
         self.resumes = resumes is not None
 
+    @property
+    def started(self) -> bool:
+        """A response began: the arm's, or Ray Serve's in its place."""
+        return self.answer is not Answer.NONE
+
     def unanswered(self) -> bool:
         """Whether neither the arm nor a replica of it answered: its replica died before
         answering, or Ray Serve found no replica (503) or no application (404) for it."""
-        if not self.started:
+        if self.answer is Answer.NONE:
             return True
-        return self.foreign is not None and int(self.foreign["status"]) in (404, 503)
+        return self.answer is Answer.RAY_SERVE and self.status in (404, 503)
 
     def fate(self) -> Fate:
         """How this exchange went, as a replay: answered to the end, its replica lost before or
         while answering, or nothing learnt (the client left; Ray Serve refused it)."""
-        if self.client_gone or self.foreign is not None:
+        if self.client_gone or self.answer is Answer.RAY_SERVE:
             return Fate.UNKNOWN
-        return Fate.ANSWERED if self.started and self.complete else Fate.REPLICA_DIED
+        return Fate.ANSWERED if self.answer is Answer.ARM_ENDED else Fate.REPLICA_DIED
 
     async def run(self, app: ASGIApp, scope: Scope, raw: bytes, receive: Receive) -> None:
         replayed = False
@@ -106,7 +122,7 @@ class Exchange:
     def cut_at(self) -> ResumePoint | None:
         """Where a resumable stream stands that its replica cut mid-way (None for any other
         request, and for a stream whose answer had ended: only its end was lost)."""
-        if self.endpoint is None or not self.stream or self.complete or self.foreign:
+        if self.endpoint is None or not self.stream or self.answer is not Answer.ARM:
             return None
         point = resume_point(b"".join(self.sent), self.endpoint)
         return None if point is None or point.finished else point
@@ -114,12 +130,12 @@ class Exchange:
     async def _send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            self.started = True
             self.status = int(message["status"])
             response_headers = list(message.get("headers") or ())
             if not any(name == ARM for name, _ in response_headers):
-                self.foreign = message  # not the arm's answer: Ray Serve refused the request
+                self.answer, self.refusal = Answer.RAY_SERVE, message
                 return
+            self.answer = Answer.ARM
             if self.resumes:  # the client has the first stream's start
                 self.stream = self.status == 200
                 return
@@ -142,9 +158,11 @@ class Exchange:
                 self.request_id,  # as Ray Serve's replicas answer it
             ]
         elif kind == "http.response.body":
+            if self.answer is Answer.RAY_SERVE:
+                return
             if not message.get("more_body", False):
-                self.complete = True
-            if self.foreign is not None or (self.resumes and not self.stream):
+                self.answer = Answer.ARM_ENDED
+            if self.resumes and not self.stream:
                 return
             if self.stream:
                 if self.endpoint is not None:
@@ -197,11 +215,11 @@ class Exchange:
     async def finish(self) -> None:
         """After the arm (or Ray Serve) is done: settle the outcome, answer what is unanswered."""
         record = self.record
-        if self.resumes and not (self.stream and self.complete):
+        if self.resumes and not (self.stream and self.answer is Answer.ARM_ENDED):
             await self._cut()
-        elif self.foreign is not None:
+        elif self.answer is Answer.RAY_SERVE:
             record.outcome = outcome_of_status(await self._answer_refusal())
-        elif not self.started:
+        elif self.answer is Answer.NONE:
             if self.client_gone:
                 record.outcome = OUTCOME_CANCELLED
                 return
@@ -213,7 +231,7 @@ class Exchange:
                 headers={headers.RETRY_AFTER: "1"},
             )
             await send_error(self.send, error, [*self.extra, self.request_id])
-        elif not self.complete:
+        elif self.answer is Answer.ARM:  # its answer began and did not end
             await self._cut()
         elif self.status >= 400:
             record.outcome = outcome_of_status(self.status)
@@ -238,9 +256,9 @@ class Exchange:
     async def _answer_refusal(self) -> int:
         """Ray Serve answered instead of the arm: its queue was full (429), no replica could
         take the request (503), or the arm's application is gone (404)."""
-        assert self.foreign is not None
-        status = int(self.foreign["status"])
-        ray_headers = dict(self.foreign.get("headers") or ())
+        assert self.refusal is not None
+        status = self.status
+        ray_headers = dict(self.refusal.get("headers") or ())
         retry_after = ray_headers.get(
             headers.RETRY_AFTER.encode(), str(OVERLOAD_RETRY_AFTER_S).encode()
         ).decode()

@@ -11,9 +11,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specserve.cluster_config import DEFAULT_KEEP
 from specserve.config import (
+    ArmConfig,
     ConfigError,
     RouterConfig,
     arm_changes,
@@ -23,6 +25,9 @@ from specserve.config import (
     revision_of,
 )
 from specserve.config_checks import check_engine_settings
+
+if TYPE_CHECKING:
+    from specserve.drafter.adapt import AdaptConfig
 
 _CONFIGURED = Path("<configured>")  # `--local` without a file: the configured one
 
@@ -599,7 +604,11 @@ def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN00
             print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
             return 2, loop.ABORTED
         base = args.base or incumbent.speculative.model
-        adapted = adapt(adapt_config(args, base, prepare_model(live.model.source)))
+        adapting = adapt_config(args, base, prepare_model(live.model.source))
+        if args.k is None:  # the gate scores at the k the incumbent serves at
+            adapting = serving_k(adapting, incumbent)
+        print(f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})")
+        adapted = adapt(adapting)
         if not adapted["accepted"]:
             print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
             return 3, loop.NO_CANDIDATE
@@ -783,6 +792,22 @@ def adapt_config(args: argparse.Namespace, base: str, target: str):
             max_forgetting=args.max_forgetting,
         ),
     )
+
+
+def serving_k(config: AdaptConfig, arm: ArmConfig) -> AdaptConfig:
+    """`config` scoring at the k `arm` serves at: its schedule's highest, else its own."""
+    from dataclasses import replace
+
+    from specserve.config import NoSpeculation
+    from specserve.k_schedule import highest_k
+
+    speculative = arm.speculative
+    if isinstance(speculative, NoSpeculation):
+        return config  # nothing drafts: the default k
+    schedule = speculative.num_speculative_tokens_per_batch_size
+    k = highest_k(speculative.num_speculative_tokens, schedule)
+    source = f"arm {arm.name}'s " + ("schedule" if schedule else "num_speculative_tokens")
+    return replace(config, k=k, k_source=source)
 
 
 def _adapt(args: argparse.Namespace, target: str) -> int:

@@ -32,6 +32,15 @@ from typing import Any
 Range = tuple[int, int, int]  # (first batch size, last batch size, k), inclusive
 
 
+def highest_k(num_speculative_tokens: int, schedule: Sequence[Sequence[int]] | None) -> int:
+    """The most draft tokens an arm proposes in a round: its schedule's largest k (vLLM clamps
+    each to `num_speculative_tokens`), else `num_speculative_tokens`; at least 1, so a drafter
+    is scored even where the schedule turns drafting off everywhere."""
+    if not schedule:
+        return num_speculative_tokens
+    return max(1, min(num_speculative_tokens, max(k for _, _, k in schedule)))
+
+
 def problem(schedule: Sequence[Sequence[int]], max_k: int) -> str | None:
     """What is wrong with `schedule` for an arm with `num_speculative_tokens` = max_k, as
     vLLM's own validation would refuse it (and one thing it would silently clamp), or None."""

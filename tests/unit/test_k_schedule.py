@@ -226,3 +226,29 @@ def test_an_arm_whose_best_k_is_its_fixed_k_everywhere_keeps_its_config(tmp_path
     out = capsys.readouterr().out
     assert "schedule: 1+: k=3   (was: k=3)" in out and "already in force" in out
     assert live.read_text() == before  # no revision: its engines keep running
+
+
+def test_the_gate_scores_at_the_highest_k_the_incumbent_serves_at(tmp_path):
+    from specserve.cli import serving_k
+    from specserve.drafter.adapt import AdaptConfig
+
+    assert k_schedule.highest_k(3, None) == 3
+    assert k_schedule.highest_k(5, [(1, 4, 4), (5, 16, 2), (17, 256, 0)]) == 4
+    assert k_schedule.highest_k(3, [(1, 8, 5)]) == 3  # vLLM clamps to num_speculative_tokens
+    assert k_schedule.highest_k(3, [(1, 256, 0)]) == 1  # drafting off everywhere: still scored
+
+    text = render_config().replace(
+        "speculative: {method: ngram, num_speculative_tokens: 3,",
+        "speculative: {method: ngram, num_speculative_tokens: 5, "
+        "num_speculative_tokens_per_batch_size: [[1, 4, 4], [5, 256, 2]],",
+    )
+    live = parse_config(text.encode(), source="test")
+    ngram = next(a for a in live.arms if a.name == "ngram")
+    assert ngram.speculative.num_speculative_tokens == 5  # the edit took
+    base = AdaptConfig(
+        base="b", captured=tmp_path, work_dir=tmp_path, out_dir=tmp_path, target_dir="t"
+    )
+    scored = serving_k(base, ngram)
+    assert (scored.k, scored.k_source) == (4, "arm ngram's schedule")
+    no_spec = next(a for a in live.arms if a.name == "no-spec")
+    assert serving_k(base, no_spec) == base

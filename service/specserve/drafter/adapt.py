@@ -68,7 +68,8 @@ class AdaptConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: int = 0  # > 0: the workers train on GPUs (NCCL)
     address: str | None = None  # a Ray cluster to join (default: the local one, if running)
-    k: int = 3
+    k: int = 3  # the loop scores at the incumbent's own (`k_schedule.highest_k`)
+    k_source: str = "the default"  # where `k` came from, for the report
     max_scored: int = 64  # held-out captured prompts scored at most (the oldest first)
     eval_max_tokens: int = 128
     original_per_set: int = 12
@@ -433,6 +434,7 @@ def _adapt_on(
         "candidate": str(candidate),
         "name": candidate.name,
         "verdict": asdict(verdict),
+        "scored_at": {"num_speculative_tokens": config.k, "from": config.k_source},
         "accepted": None,
         "data": {
             "captured": len(rows),

@@ -249,7 +249,10 @@ def offline_acceptance(
     lengths = [sequence_length(r, 1 << 30) for r in records]
     for group in plan_forwards(lengths, batch_tokens):
         batch = collate([records[i] for i in group], steps, max_len=1 << 30).to(device)
-        with autocast(device):
+        with (
+            torch.inference_mode(),
+            autocast(device),
+        ):  # no autograd graph: a fraction of the memory
             logits = model.unrolled(batch.aux.float(), batch.inputs, steps, batch.first)
         answer = batch.labels[0] >= 0
         chain = torch.ones_like(answer)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     base = TrainConfig(
         updates=args.updates, validate_every=args.validate_every, checkpoint_every=1 << 30
     )
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="batched-curve-"))  # checkpoints: not for docs/
     for name, batch_tokens in (("one sequence", 0), ("batched", batch_tokens_for(None, device))):
         out = scratch / str(batch_tokens)

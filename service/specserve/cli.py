@@ -17,6 +17,7 @@ from specserve.cluster_config import DEFAULT_KEEP
 from specserve.config import (
     ArmConfig,
     ConfigError,
+    NoSpeculation,
     RouterConfig,
     arm_changes,
     load_config,
@@ -799,7 +800,6 @@ def serving_k(config: AdaptConfig, arm: ArmConfig) -> AdaptConfig:
     """`config` scoring at the k `arm` serves at: its schedule's highest, else its own."""
     from dataclasses import replace
 
-    from specserve.config import NoSpeculation
     from specserve.k_schedule import highest_k
 
     speculative = arm.speculative

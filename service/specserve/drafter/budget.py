@@ -490,21 +490,23 @@ def main(argv: list[str] | None = None) -> int:
     prompts_p.add_argument("--out", type=Path, required=True)
     prompts_p.add_argument("--train-prompts", type=int, default=2600)
     prompts_p.add_argument("--per-set", type=int, default=24, help="held-out prompts per set")
-    score_p = sub.add_parser("score", help="exported drafters side by side on held-out prompts")
-    score_p.add_argument("--target", required=True, help="the prepared target's directory")
-    score_p.add_argument("--prompts", type=Path, required=True, help="from `prompts`")
+    # What `score` and `run` both take: the target, the prompts, the device, answer lengths.
+    answering = argparse.ArgumentParser(add_help=False)
+    answering.add_argument("--target", required=True, help="the prepared target's directory")
+    answering.add_argument("--prompts", type=Path, required=True, help="from `prompts`")
+    answering.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    answering.add_argument("--max-new-tokens", type=int, default=256)
+    score_p = sub.add_parser(
+        "score", parents=[answering], help="exported drafters side by side on held-out prompts"
+    )
     score_p.add_argument("--drafters", type=Path, nargs="+", required=True, help="exports")
     score_p.add_argument("--sets", nargs="+", default=list(HELD_OUT_SETS.values()))
-    score_p.add_argument("--max-new-tokens", type=int, default=256)
-    score_p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    run_p = sub.add_parser("run", help="answers, hidden states, both drafters, scores")
-    run_p.add_argument("--target", required=True, help="the prepared target's directory")
-    run_p.add_argument("--prompts", type=Path, required=True, help="from `prompts`")
+    run_p = sub.add_parser(
+        "run", parents=[answering], help="answers, hidden states, both drafters, scores"
+    )
     run_p.add_argument("--work", type=Path, required=True)
     run_p.add_argument("--minutes", type=float, default=10.0)
-    run_p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run_p.add_argument("--updates", type=int, default=LONG_BUDGET_UPDATES, help="at most")
-    run_p.add_argument("--max-new-tokens", type=int, default=256)
     run_p.add_argument("--tokens-per-update", type=int, help="default: the device's recipe")
     run_p.add_argument("--lr", type=float, help="default: the device's recipe")
     run_p.add_argument(

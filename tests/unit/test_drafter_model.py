@@ -2,9 +2,10 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from specserve.drafter.model import Drafter, DrafterConfig
+from specserve.drafter.model import Drafter, DrafterConfig, full_heads
 
 TINY = dict(
     hidden_size=64,
@@ -87,6 +88,22 @@ def test_unrolling_from_an_index_gives_the_same_logits_there(switches):
         part = model.unrolled(aux, ids, 3, logits_from=start)
         for j in range(3):
             torch.testing.assert_close(part[j], full[j][:, start:])
+
+
+def test_full_heads_attend_as_grouped_query_attention():
+    """What the GPU path feeds kernels that take no grouped heads attends as the CPU path does."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 7, 8, generator=g) for h in (6, 2, 2))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    full = F.scaled_dot_product_attention(q, *full_heads(q, k, v), attn_mask=mask)
+    torch.testing.assert_close(full, grouped)
+    assert not torch.allclose(  # the grouping matters: heads repeated the other way differ
+        F.scaled_dot_product_attention(
+            q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1), attn_mask=mask
+        ),
+        grouped,
+    )
 
 
 def test_draft_vocab_mapping_round_trips():

@@ -221,6 +221,30 @@ def test_answer_labels_counts_what_step_one_learns(max_len):
         assert answer_labels(record, max_len) == int((labels[0] >= 0).sum())
 
 
+@pytest.mark.parametrize("max_len", [1 << 30, 30, 12])
+def test_a_batch_holds_each_sequence_as_it_is_alone(max_len):
+    """`collate` builds in whole-batch operations what `sequence_batch` makes of each record:
+    the same states, inputs, labels and final states, padded past each sequence's end."""
+    records = [uneven(seed) for seed in range(7)]
+    batch = collate(records, 3, max_len, with_finals=True)
+    assert batch.answer_tokens == sum(answer_labels(r, max_len) for r in records)
+    for b, record in enumerate(records):
+        aux, inputs, labels, finals, first = sequence_batch(record, 3, max_len)
+        n = aux.shape[1]
+        assert first >= batch.first
+        torch.testing.assert_close(batch.aux[b, :n], aux[0], rtol=0, atol=0)
+        assert batch.aux[b, n:].abs().sum() == 0
+        assert torch.equal(batch.inputs[b, : inputs.shape[1]], inputs[0])
+        assert (batch.inputs[b, inputs.shape[1] :] == 0).all()
+        for j in range(3):
+            alone = labels[j][0, batch.first :]
+            assert torch.equal(batch.labels[j][b, : alone.numel()], alone)
+            assert (batch.labels[j][b, alone.numel() :] == -100).all()
+            torch.testing.assert_close(
+                batch.finals[j][b, : alone.numel()], finals[j][0, batch.first :], rtol=0, atol=0
+            )
+
+
 def test_forwards_group_by_length_within_the_budget():
     lengths = [50, 10, 40, 12, 300, 11]
     groups = plan_forwards(lengths, batch_tokens=100)

@@ -26,22 +26,32 @@ from specserve.drafter.train import TrainConfig, batch_tokens_for, train
 
 
 def synthetic_records(
-    count: int, seq_len: int, answer_len: int, config: DrafterConfig, seed: int = 0
+    count: int,
+    seq_len: int,
+    answer_len: int,
+    config: DrafterConfig,
+    seed: int = 0,
+    spread: float = 0.0,
 ) -> list[dict]:
     """Sequences shaped like captured ones: token ids, three captured layers at the scales the
-    embedded target's have (about 1, 4 and 8 RMS), the answer at the end."""
+    embedded target's have (about 1, 4 and 8 RMS), the answer at the end. With `spread`, prompt
+    lengths vary uniformly by that fraction either way (as real ones do: every batch a new
+    shape); the answer keeps its length."""
     g = torch.Generator().manual_seed(seed)
     layers = len(config.aux_layer_ids)
     scales = torch.tensor([1.0, 4.0, 8.0][:layers]).repeat_interleave(config.hidden_size)
+    prompt = seq_len - answer_len
     records = []
     for _ in range(count):
-        ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g)
-        aux = torch.randn(seq_len, layers * config.hidden_size, generator=g) * scales
+        vary = int(round(prompt * spread * (2 * float(torch.rand((), generator=g)) - 1)))
+        length = answer_len + max(1, prompt + vary)
+        ids = torch.randint(0, config.vocab_size, (length,), generator=g)
+        aux = torch.randn(length, layers * config.hidden_size, generator=g) * scales
         records.append(
             {
                 "input_ids": ids.to(torch.int32),
                 "aux": aux.to(torch.bfloat16),
-                "answer_start": seq_len - answer_len,
+                "answer_start": length - answer_len,
             }
         )
     return records
@@ -124,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         "trainer's default on the device",
     )
     parser.add_argument("--seq-len", type=int, default=600)
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="prompt lengths vary by this fraction either way (0: every sequence --seq-len)",
+    )
     parser.add_argument("--answer-len", type=int, default=300)
     parser.add_argument("--sequences", type=int, default=256, help="synthetic sequences")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per combination")
@@ -136,8 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     args.batch_tokens = args.batch_tokens or [0, batch_tokens_for(None, device)]
     config = DrafterConfig()
-    records = synthetic_records(args.sequences, args.seq_len, args.answer_len, config)
-    print(f"device: {device_name(device)}; {args.sequences} sequences of {args.seq_len} tokens")
+    records = synthetic_records(
+        args.sequences, args.seq_len, args.answer_len, config, spread=args.spread
+    )
+    spread = f" (prompts +-{args.spread:.0%})" if args.spread else ""
+    print(
+        f"device: {device_name(device)}; {args.sequences} sequences of {args.seq_len} tokens"
+        f"{spread}"
+    )
     results = []
     for steps in args.steps:
         for tokens in args.tokens_per_update:

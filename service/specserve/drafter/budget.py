@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -43,6 +44,7 @@ from specserve.drafter.train import (
     TrainConfig,
     new_drafter,
     offline_acceptance,
+    resident,
     split_validation,
     target_weights,
     train,
@@ -293,6 +295,8 @@ def run(
 
     started = time.monotonic()
     budget = minutes * 60
+    if device.type == "cuda":  # batches change shape at every forward: grow, don't fragment
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     work.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
     layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target_dir)).aux_layer_ids
@@ -331,6 +335,13 @@ def run(
         config = TrainConfig(**{**RECIPES.get(device.type, {}), **(recipe or {})})
         updates = max(1, updates * TrainConfig.tokens_per_update // config.tokens_per_update)
     config = replace(config, updates=updates)
+    # Once, where training runs: the probe, the run and every validation then collate there.
+    t_copy = time.monotonic()
+    on_device = resident(training, device, finals=config.soft_labels > 0)
+    validating = resident(validation, device, finals=False)
+    if on_device is not training:
+        gib = sum(t.nbytes for r in on_device for t in r.values() if torch.is_tensor(t)) / 2**30
+        _log(f"captured states on {device}: {gib:.1f} GiB in {time.monotonic() - t_copy:.1f} s")
     trained: dict[str, Drafter] = {}
     fitted: dict[str, int] = {}
     done: dict[str, int] = {}  # fewer than fitted where the deadline came first
@@ -342,7 +353,7 @@ def run(
         model = model.to(device)
         out = work / name
         left = per_drafter - (time.monotonic() - t_drafter)
-        fitted[name] = fit_updates(model, training, out, config, left, validation=validation)
+        fitted[name] = fit_updates(model, on_device, out, config, left, validation=validating)
         run_config = replace(
             config,
             updates=fitted[name],
@@ -351,16 +362,18 @@ def run(
         )
         # The probe's rate is an estimate: the share's end is a deadline, whatever it says.
         deadline = t_drafter + per_drafter
+        t_train = time.monotonic()
         train(
             model,
-            training,
+            on_device,
             out,
             run_config,
-            validation=validation,
+            validation=validating,
             desc=f"train {name}",
             deadline=deadline,
         )
         done[name] = _updates_done(out, fitted[name])
+        _log(f"{name}: {done[name]} updates in {time.monotonic() - t_train:.0f} s{_memory(device)}")
         model.cpu().export(out / "export")
         trained[name] = model.to(device)
     stage("training", t)
@@ -395,6 +408,15 @@ def run(
     (work / "report.json").write_text(json.dumps(report, indent=1))
     _log(f"done in {report['minutes']:.1f} min; report: {work / 'report.json'}")
     return report
+
+
+def _memory(device: torch.device) -> str:
+    """A GPU's peak memory and allocator retries (each one frees the cache and waits)."""
+    if device.type != "cuda":
+        return ""
+    stats = torch.cuda.memory_stats(device)
+    peak = stats.get("allocated_bytes.all.peak", 0) / 2**30
+    return f", peak {peak:.1f} GiB, {stats.get('num_alloc_retries', 0)} allocator retries"
 
 
 def _updates_done(out: Path, planned: int) -> int:

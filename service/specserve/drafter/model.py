@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ARCHITECTURE = "Eagle3LlamaForCausalLM"
 # The two drafters a build trains, by the EAGLE-3.1 switches they set (both off: EAGLE-3).
@@ -97,6 +98,17 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+# Attention kernels on a GPU. Not cuDNN's: it builds a graph for every new input shape (hundreds
+# of milliseconds each), and batches of captured sequences change shape at every forward.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def full_heads(q, k, v):
+    """k and v (B, nkv, S, D) repeated to q's heads, as grouped-query attention shares them."""
+    groups = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, c: DrafterConfig) -> None:
         super().__init__()
@@ -118,7 +130,11 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """q (B, nh, T, D) over k, v (B, nkv, S, D) with a boolean mask (T, S) -> (B, T, H)."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if q.device.type == "cuda":  # every kernel takes full heads; not all take grouped ones
+            with sdpa_kernel(CUDA_ATTENTION):
+                out = F.scaled_dot_product_attention(q, *full_heads(q, k, v), attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 

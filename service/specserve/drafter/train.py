@@ -184,36 +184,67 @@ class Batch:
 
 
 def collate(records: list[dict], steps: int, max_len: int, with_finals: bool = False) -> Batch:
-    """`sequence_batch` of each record, padded to the longest and stacked; the target's final
-    states only `with_finals` (soft labels), as they double the bytes built and copied."""
-    parts = [sequence_batch(r, steps, max_len) for r in records]
-    T = max(aux.shape[1] for aux, *_ in parts)
-    first = min(p[4] for p in parts)
-    aux = torch.zeros(len(parts), T, parts[0][0].shape[-1], dtype=parts[0][0].dtype)
-    inputs = torch.zeros(len(parts), T + steps - 1, dtype=torch.long)
-    labels = [torch.full((len(parts), T), -100, dtype=torch.long) for _ in range(steps)]
-    has_finals = with_finals and all(p[3] is not None for p in parts)
-    finals = []
-    if has_finals:
-        width, dtype = parts[0][3][0].shape[-1], parts[0][3][0].dtype
-        finals = [torch.zeros(len(parts), T, width, dtype=dtype) for _ in range(steps)]
-    for b, (a, i, ls, fs, _) in enumerate(parts):
-        n = a.shape[1]
-        aux[b, :n] = a[0]
-        inputs[b, : i.shape[1]] = i[0]
-        for j in range(steps):
-            labels[j][b, :n] = ls[j][0]
-            if has_finals:
-                finals[j][b, :n] = fs[j][0]
-    labels = [label[:, first:] for label in labels]
-    return Batch(
-        aux,
-        inputs,
-        labels,
-        [final[:, first:] for final in finals] if has_finals else None,
-        first,
-        int((labels[0] >= 0).sum()),
+    """What `sequence_batch` makes of each record, padded to the longest and stacked, built on
+    the records' device in a few whole-batch operations (records resident on a GPU are
+    collated there: no host copy, no per-record kernels beyond one copy of each tensor). The
+    target's final states only `with_finals` (soft labels), as they double the bytes built."""
+    device = records[0]["aux"].device
+    starts = [max(0, r["input_ids"].numel() - 1 - max_len) for r in records]
+    lengths = [r["input_ids"].numel() - 1 - s for r, s in zip(records, starts, strict=True)]
+    answers = [max(r["answer_start"] - s, 1) for r, s in zip(records, starts, strict=True)]
+    B, T = len(records), max(lengths)
+    first = min(
+        max(0, min(a - 2 - (steps - 1), n - 1)) for a, n in zip(answers, lengths, strict=True)
     )
+    # Token ids at positions 0..T (-100 past each sequence's end), steps more of padding.
+    ids = torch.full((B, T + 1 + steps), -100, dtype=torch.long, device=device)
+    aux = torch.zeros(
+        B, T, records[0]["aux"].shape[-1], dtype=records[0]["aux"].dtype, device=device
+    )
+    has_finals = with_finals and all("final" in r for r in records)
+    if has_finals:
+        final = records[0]["final"]
+        padded_finals = torch.zeros(B, T + steps, final.shape[-1], dtype=final.dtype, device=device)
+    for b, (r, s, n) in enumerate(zip(records, starts, lengths, strict=True)):
+        ids[b, : n + 1] = r["input_ids"][s:]
+        aux[b, :n] = r["aux"][s : s + n]
+        if has_finals:
+            padded_finals[b, : n + 1] = r["final"][s:]
+    inputs = ids[:, 1 : T + steps].clamp(min=0)
+    # Step j's label at index t is the token at position t + 2 + j, kept from the answer on.
+    position = torch.arange(first, T, device=device)
+    answer = torch.tensor(answers, device=device)[:, None]
+    labels = []
+    for j in range(steps):
+        label = ids[:, 2 + j + first : 2 + j + T].clone()
+        label[position[None] + 2 + j < answer] = -100
+        labels.append(label)
+    finals = None
+    if has_finals:  # step j's label came from the target's state at position t + 1 + j
+        finals = [padded_finals[:, 1 + j + first : 1 + j + T] for j in range(steps)]
+    counted = sum(answer_labels(r, max_len) for r in records)
+    return Batch(aux, inputs, labels, finals, first, counted)
+
+
+def resident(records: list[dict], device: torch.device, *, finals: bool) -> list[dict]:
+    """The records with their tensors on `device` (the final states only if `finals`), copied
+    once, so that collating a batch needs no host work and no transfer. Where they would take
+    more than half of the device's free memory, or on a CPU, the records as they are."""
+    if device.type != "cuda" or not records:
+        return records
+    keys = ("input_ids", "aux", "final") if finals else ("input_ids", "aux")
+    needed = sum(r[k].nbytes for r in records for k in keys if k in r)
+    free, _ = torch.cuda.mem_get_info(device)
+    if needed > free / 2:
+        return records
+    return [
+        {
+            k: (v.to(device, non_blocking=True) if k in keys else v)
+            for k, v in r.items()
+            if k in keys or not isinstance(v, torch.Tensor)
+        }
+        for r in records
+    ]
 
 
 def plan_forwards(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -243,6 +274,7 @@ def offline_acceptance(
     model.eval()
     device = next(model.parameters()).device
     batch_tokens = batch_tokens_for(batch_tokens, device)
+    records = resident(records, device, finals=False)
     right = torch.zeros(steps, device=device)
     chained = torch.zeros(steps, device=device)
     tokens = 0
@@ -332,6 +364,9 @@ def train(
     if deadline is not None and world > 1:
         raise ValueError("a deadline needs one process: ranks could stop at different updates")
     teacher_head = target_head.float().to(device) if target_head is not None else None
+    records = resident(records, device, finals=soft_weight > 0)
+    if validation:
+        validation = resident(validation, device, finals=False)
     torch.manual_seed(config.seed)
     order_rng = random.Random(config.seed)
     params = [p for p in model.parameters() if p.requires_grad]

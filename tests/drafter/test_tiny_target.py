@@ -126,17 +126,23 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
         return  # one drafter is enough for the evaluation's per-prompt figures
     report = tmp_path / "eval.json"
     _isolated(_evaluate, tiny_target, str(export), report)
-    (row,) = json.loads(report.read_text())
-    drafts, accepted = (sum(column) for column in zip(*row["per_prompt"], strict=True))
-    assert len(row["per_prompt"]) == 3 and drafts > 0
-    assert (drafts, accepted) == (row["drafts"], row["accepted"])  # per prompt adds up
+    rows = json.loads(report.read_text())
+    assert [row["prompt_set"] for row in rows] == ["plain", "sampled"]
+    for row in rows:  # the sampled set: token ids, each under the sampling it was captured with
+        drafts, accepted = (sum(column) for column in zip(*row["per_prompt"], strict=True))
+        assert len(row["per_prompt"]) == 3 and drafts > 0
+        assert (drafts, accepted) == (row["drafts"], row["accepted"])  # per prompt adds up
 
 
 def _evaluate(target: str, drafter: str, out: Path) -> None:
     from specserve.drafter.evaluate import evaluate, write_report
 
     prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
-    results = evaluate(
-        target, {"eagle": drafter}, {"plain": prompts}, ks=(2,), max_tokens=24, dtype="float32"
-    )
+    sampled = [
+        {"prompt_token_ids": [1, 5, 9, 12], "sampling": {"temperature": 0.8}},
+        {"prompt_token_ids": [3, 4], "sampling": {}},  # the engine's defaults
+        {"prompt_token_ids": [7, 7, 2], "sampling": {"temperature": 1.0, "top_k": 10}},
+    ]
+    sets = {"plain": prompts, "sampled": sampled}
+    results = evaluate(target, {"eagle": drafter}, sets, ks=(2,), max_tokens=24, dtype="float32")
     write_report(results, out)

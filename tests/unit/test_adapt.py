@@ -15,6 +15,8 @@ from specserve.drafter.adapt import (
     content_addressed,
     judge,
     replay_pick,
+    sampling_summary,
+    scored_prompt,
     split_by_prompt,
 )
 
@@ -37,6 +39,26 @@ def test_captured_answers_come_back_unique_long_enough_and_per_arm(tmp_path):
     assert {r["kind"] for r in rows} == {"captured:eagle3", "captured:no-spec"}
     only = captured_sequences(tmp_path, "no-spec")
     assert [r["output_token_ids"] for r in only] == [[1, 2, 3, 4, 5]]
+
+
+def test_the_gate_scores_each_held_out_prompt_under_the_sampling_it_was_served_with(tmp_path):
+    writer = CaptureWriter(tmp_path, "eagle3", "r1")
+    older = Record("eagle3", "chat", [1, 2], [5, 6, 7, 8], "stop")  # before sampling was kept
+    sampled = Record("eagle3", "chat", [3], [5, 6, 7, 9], "stop", sampling={"temperature": 0.7})
+    defaults = Record("eagle3", "chat", [4], [5, 6, 7, 7], "stop", sampling={})
+    for record in (older, sampled, defaults):
+        assert writer.put(record, BOUNDS)
+    writer.close()
+    rows = {tuple(r["prompt_token_ids"]): r for r in captured_sequences(tmp_path)}
+    assert scored_prompt(rows[(1, 2)]) == {"prompt_token_ids": [1, 2]}  # greedy
+    assert scored_prompt(rows[(3,)]) == {"prompt_token_ids": [3], "sampling": {"temperature": 0.7}}
+    assert scored_prompt(rows[(4,)]) == {"prompt_token_ids": [4], "sampling": {}}
+    assert sampling_summary(list(rows.values())) == {
+        "as_captured": 2,
+        "greedy_not_captured": 1,
+        "engine_default_temperature": 1,
+        "temperatures": [0.7],
+    }
 
 
 def test_every_answer_to_one_prompt_falls_in_one_part_in_the_asked_shares():

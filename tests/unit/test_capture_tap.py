@@ -10,6 +10,7 @@ import json
 import pytest
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -22,7 +23,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-from specserve.capture.tap import Tap
+from specserve.capture.tap import Tap, sampling_of
 
 PROMPT = [1, 9, 9, 7]
 
@@ -61,6 +62,21 @@ def test_a_chat_stream_gives_one_record_and_the_client_the_stream_it_would_have_
     (record,) = tap.records()
     assert record.prompt_token_ids == PROMPT and record.output_token_ids == [11, 12, 13, 14]
     assert (record.arm, record.endpoint, record.finish_reason) == ("eagle3", "chat", "stop")
+
+
+def test_a_record_keeps_the_sampling_its_request_set():
+    """What the gate scores under: the fields the request set, {} where it left all three to
+    the engine's defaults."""
+    sampled = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.7, top_k=20
+    )
+    plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert sampling_of(sampled) == {"temperature": 0.7, "top_k": 20.0}
+    assert sampling_of(plain) == {}
+    tap = Tap("eagle3", "chat", client_asked=False, stream=True, sampling=sampling_of(sampled))
+    for event in chat_stream(True):
+        tap.take(event)
+    assert tap.records()[0].sampling == {"temperature": 0.7, "top_k": 20.0}
 
 
 def test_a_client_that_asked_for_token_ids_keeps_them():

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
+from specserve.drafter import model as drafter_model
 from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.drafter.train import TrainConfig, batch_tokens_for, train
 
@@ -144,8 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=256, help="synthetic sequences")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per combination")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let attention use cuDNN's kernels too (PyTorch's default on Hopper; the trainer "
+        "leaves them out: they build a graph per input shape)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
+    if args.cudnn_attention:
+        drafter_model.CUDA_ATTENTION = [SDPBackend.CUDNN_ATTENTION, *drafter_model.CUDA_ATTENTION]
     if not 0 < args.answer_len < args.seq_len:
         parser.error("--answer-len must be positive and below --seq-len")
 

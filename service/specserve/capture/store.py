@@ -52,6 +52,9 @@ class Record:
     output_token_ids: list[int]
     finish_reason: str | None = None
     at: float = field(default_factory=time.time)
+    # The sampling fields the request set (temperature, top_p, top_k; {}: the engine's
+    # defaults for all three); None in records captured before they were kept.
+    sampling: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,37 @@ from typing import Any
 
 from specserve.capture.store import Record
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")  # what decides how drafts are accepted
+
+
+def sampling_of(body: Any) -> dict[str, float]:
+    """The sampling fields a validated request set; those it left out take the engine's
+    defaults (the model's generation config, else vLLM's)."""
+    found = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(body, name, None)
+        if value is not None:
+            found[name] = float(value)
+    return found
+
+
 # Chunk fields that carry something for the client besides the choices' deltas.
 _CHUNK_CONTENT = ("usage", "metrics")
 _CHOICE_CONTENT = ("finish_reason", "logprobs", "stop_reason")
 
 
 class Tap:
-    def __init__(self, arm: str, endpoint: str, *, client_asked: bool, stream: bool) -> None:
+    def __init__(
+        self,
+        arm: str,
+        endpoint: str,
+        *,
+        client_asked: bool,
+        stream: bool,
+        sampling: dict[str, float] | None = None,
+    ) -> None:
         self.arm, self.endpoint, self.client_asked = arm, endpoint, client_asked
+        self.sampling = sampling
         # vLLM's stream chunks name the id fields (null) even when no ids were asked for; a
         # whole answer is sent without null fields.
         self._blank = _set_null if stream else _remove
@@ -70,6 +93,7 @@ class Tap:
                     prompt_token_ids=prompt,
                     output_token_ids=output,
                     finish_reason=self._finish[index],
+                    sampling=self.sampling,
                 )
             )
         return found

@@ -95,8 +95,8 @@ def _log(message: str) -> None:
 
 
 def captured_sequences(directory: Path, arm: str | None = None) -> list[dict]:
-    """The store's records as unique {prompt_token_ids, output_token_ids, kind} rows, oldest
-    first; answers shorter than MIN_OUTPUT_TOKENS are left out."""
+    """The store's records as unique {prompt_token_ids, output_token_ids, kind, sampling} rows,
+    oldest first; answers shorter than MIN_OUTPUT_TOKENS are left out."""
     from specserve.capture import store
 
     seen: set[str] = set()
@@ -113,6 +113,7 @@ def captured_sequences(directory: Path, arm: str | None = None) -> list[dict]:
                 "prompt_token_ids": record.prompt_token_ids,
                 "output_token_ids": record.output_token_ids,
                 "kind": f"captured:{record.arm}",
+                "sampling": record.sampling,
             }
         )
     return rows
@@ -434,7 +435,11 @@ def _adapt_on(
         "candidate": str(candidate),
         "name": candidate.name,
         "verdict": asdict(verdict),
-        "scored_at": {"num_speculative_tokens": config.k, "from": config.k_source},
+        "scored_at": {
+            "num_speculative_tokens": config.k,
+            "from": config.k_source,
+            "sampling": sampling_summary(scored_rows),
+        },
         "accepted": None,
         "data": {
             "captured": len(rows),
@@ -523,13 +528,34 @@ def score_on_ray(
     ray.get(task.remote(config, base, candidate, held_out, out))
 
 
+def scored_prompt(row: dict) -> dict:
+    """A held-out captured row as the gate scores it: its prompt, under the sampling its request
+    used where capture kept it (greedy where it did not: records of older releases)."""
+    prompt = {"prompt_token_ids": row["prompt_token_ids"]}
+    if row.get("sampling") is not None:
+        prompt["sampling"] = row["sampling"]
+    return prompt
+
+
+def sampling_summary(rows: list[dict]) -> dict:
+    """How the gate scored the held-out rows: under their captured sampling, or greedy."""
+    kept = [row["sampling"] for row in rows if row.get("sampling") is not None]
+    temperatures = sorted({s["temperature"] for s in kept if "temperature" in s})
+    return {
+        "as_captured": len(kept),
+        "greedy_not_captured": len(rows) - len(kept),
+        "engine_default_temperature": sum("temperature" not in s for s in kept),
+        "temperatures": temperatures,
+    }
+
+
 def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict], out: Path):
     from specserve.drafter.evaluate import evaluate, write_report
     from specserve.drafter.pipeline import eval_sets
 
     originals = eval_sets(config.original_per_set) if config.original_per_set else {}
     sets = {
-        CAPTURED_SET: [{"prompt_token_ids": row["prompt_token_ids"]} for row in held_out],
+        CAPTURED_SET: [scored_prompt(row) for row in held_out],
         **{name: originals[name] for name in ORIGINAL_SETS if originals.get(name)},
     }
     results = evaluate(

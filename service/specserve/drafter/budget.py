@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specserve.drafter.model import VARIANTS, Drafter
 from specserve.drafter.train import (
@@ -123,7 +124,8 @@ def generate_answers(
     order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))
     deadline = time.monotonic() + seconds
     answered: list[dict] = []
-    for start in range(0, len(order), batch_size):
+    batches = range(0, len(order), batch_size)
+    for start in tqdm(batches, desc="answers", unit="batch", disable=len(batches) < 2):
         if time.monotonic() > deadline:
             _log(f"answers: the share is spent after {len(answered)} of {len(rows)} prompts")
             break
@@ -188,7 +190,7 @@ def fit_updates(
     *,
     validation: list[dict] | None = None,
     probe: int = 20,
-    warmup: int = 3,
+    warmup: int = 10,
 ) -> int:
     """Updates that fit `seconds`, less what this probe takes and the run's validations, at the
     rate `probe` updates measure after `warmup` untimed ones (the device's first updates pay

@@ -81,15 +81,16 @@ def evaluate(
     dtype: Literal["bfloat16", "float32"] | None = None,
     threads: int | None = None,
 ) -> list[Acceptance]:
-    """Acceptance of every drafter at every k on every prompt set (greedy decoding). A set is
-    a list of conversations (sent through the target's chat template) or of plain prompts
-    (text, or vLLM's `{"prompt_token_ids": [...]}`).
+    """Acceptance of every drafter at every k on every prompt set. A set is a list of
+    conversations (sent through the target's chat template) or of plain prompts (text, or
+    vLLM's `{"prompt_token_ids": [...]}`, which may carry the `sampling` its request used:
+    `sampling_params`); greedy decoding where no sampling is given.
     `dtype` defaults to the CPU's fast one (`specserve.hardware`); `threads`: every core unless
     given (`generation_env`)."""
     os.environ.update(generation_env(threads))
     from vllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = []
     for name, path in drafters.items():
         for k in ks:
@@ -106,10 +107,17 @@ def evaluate(
             for set_name, conversations in prompt_sets.items():
                 before = spec_counters(llm)
                 if all(isinstance(c, str | dict) for c in conversations):
-                    # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]})
-                    outputs = llm.generate(conversations, params, use_tqdm=False)
+                    # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]}),
+                    # each greedy unless it carries the sampling it was served with
+                    defaults = llm.get_default_sampling_params()
+                    prompts = [_without_sampling(c) for c in conversations]
+                    params = [
+                        sampling_params(defaults, _sampling(c), max_tokens, seed=i)
+                        for i, c in enumerate(conversations)
+                    ]
+                    outputs = llm.generate(prompts, params, use_tqdm=False)
                 else:
-                    outputs = llm.chat(conversations, params, use_tqdm=False)
+                    outputs = llm.chat(conversations, greedy, use_tqdm=False)
                 after = spec_counters(llm)
                 per_position = [
                     a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
@@ -133,6 +141,33 @@ def evaluate(
             del llm
             gc.collect()
     return results
+
+
+def sampling_params(defaults, sampling: dict | None, max_tokens: int, seed: int):
+    """vLLM's SamplingParams for one scored prompt: greedy without `sampling`; else its
+    temperature, top_p and top_k, the engine's `defaults` for those it left out (as a server
+    fills them in), seeded so a score can be repeated."""
+    from vllm import SamplingParams
+
+    if sampling is None:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(
+        temperature=sampling.get("temperature", defaults.temperature),
+        top_p=sampling.get("top_p", defaults.top_p),
+        top_k=int(sampling.get("top_k", defaults.top_k)),
+        max_tokens=max_tokens,
+        seed=seed,
+    )
+
+
+def _sampling(prompt: str | dict) -> dict | None:
+    return prompt.get("sampling") if isinstance(prompt, dict) else None
+
+
+def _without_sampling(prompt: str | dict) -> str | dict:
+    if isinstance(prompt, dict):
+        return {k: v for k, v in prompt.items() if k != "sampling"}
+    return prompt
 
 
 def _drafts_accepted(output) -> list[int]:

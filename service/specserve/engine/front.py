@@ -26,7 +26,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 
 from specserve import headers
 from specserve.capture.store import Bounds, CaptureWriter
-from specserve.capture.tap import Tap
+from specserve.capture.tap import Tap, sampling_of
 from specserve.metrics import CaptureMetrics
 from specserve.settings import get_settings
 from specserve.wire.arm_calls import serve_app
@@ -129,6 +129,7 @@ class ArmServer(LLMServer):
                 endpoint,
                 client_asked=client_asked,
                 stream=bool(getattr(body, "stream", False)),
+                sampling=sampling_of(body),
             ),
         )
 

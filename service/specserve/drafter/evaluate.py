@@ -110,7 +110,7 @@ def evaluate(
                     # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]}),
                     # each greedy unless it carries the sampling it was served with
                     defaults = llm.get_default_sampling_params()
-                    prompts = [_without_sampling(c) for c in conversations]
+                    prompts: list[Any] = [_without_sampling(c) for c in conversations]
                     params = [
                         sampling_params(defaults, _sampling(c), max_tokens, seed=i)
                         for i, c in enumerate(conversations)

@@ -131,8 +131,9 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """q (B, nh, T, D) over k, v (B, nkv, S, D) with a boolean mask (T, S) -> (B, T, H)."""
         if q.device.type == "cuda":  # every kernel takes full heads; not all take grouped ones
+            k, v = full_heads(q, k, v)
             with sdpa_kernel(CUDA_ATTENTION):
-                out = F.scaled_dot_product_attention(q, *full_heads(q, k, v), attn_mask=mask)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, _, T, _ = out.shape

@@ -404,10 +404,17 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
         for prompt_set in (CAPTURED_SET, *ORIGINAL_SETS):
             assert scores[(drafter, prompt_set)]["drafts"] > 0, (drafter, prompt_set)
     assert scores[("base", CAPTURED_SET)]["prompts"] == data["scored"] == data["held_out"]
-    # Scored at the k the incumbent serves at (its num_speculative_tokens: 5), not a default.
+    # Scored at the k the incumbent serves at (its num_speculative_tokens: 5), not a default,
+    # and under the sampling capture kept for each held-out request (all asked temperature 0).
     assert adapted["scored_at"] == {
         "num_speculative_tokens": 5,
         "from": f"arm {ARM}'s num_speculative_tokens",
+        "sampling": {
+            "as_captured": data["scored"],
+            "greedy_not_captured": 0,
+            "engine_default_temperature": 0,
+            "temperatures": [0.0],
+        },
     }
     verdict = asdict(judge(adapted["scores"], k=5, max_forgetting=0.15))
     assert adapted["verdict"] == json.loads(json.dumps(verdict))  # as adapt.json holds it

@@ -232,6 +232,10 @@ def resident(records: list[dict], device: torch.device, *, finals: bool) -> list
     more than half of the device's free memory, or on a CPU, the records as they are."""
     if device.type != "cuda" or not records:
         return records
+    if device.index is None:  # "cuda": the current card, as tensors name it ("cuda:0")
+        device = torch.device("cuda", torch.cuda.current_device())
+    if records[0]["aux"].device == device:
+        return records  # there already: the build copies once for the probe, run and validations
     keys = ("input_ids", "aux", "final") if finals else ("input_ids", "aux")
     needed = sum(r[k].nbytes for r in records for k in keys if k in r)
     free, _ = torch.cuda.mem_get_info(device)

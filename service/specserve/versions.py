@@ -86,6 +86,7 @@ VLLM = Supported(
     private=(
         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner._bookkeeping_sync"),
         ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens"),
+        ("vllm.v1.sample.rejection_sampler", "apply_top_k_top_p"),
     ),
 )
 

@@ -169,6 +169,17 @@ def test_seeded_sampling_on_a_speculative_cpu_arm_is_served_and_repeats(live):
     assert texts[0] == texts[1]
 
 
+def test_top_k_without_top_p_on_a_speculative_cpu_arm_is_served(live):
+    """vLLM's CPU top-k path failed on a step with no drafted tokens (every prefill) and killed
+    the engine for everyone (`vllm_fixes.skip_empty_top_k_top_p`)."""
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 8, "temperature": 1.0, "top_k": 5}
+    arm = {headers.ARM_OVERRIDE: "ngram"}
+    for _ in range(2):
+        response = live.http.post(CHAT, json=body, headers=arm)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] > 0
+
+
 def test_seeded_requests_whose_prefill_is_split_are_served(live):
     """Eight ~900-token seeded prompts at once exceed one step's token budget, so some prefills
     are split; vLLM then rewinds those requests' generators, which CPU generators cannot do

@@ -49,3 +49,20 @@ def test_seeded_generators_are_not_rewound_on_cpu():
 
     assert vllm_fixes.skip_generator_rewind(bookkeeping_sync)(runner, 1, 2) == (1, 2)
     assert seen == [{}] and runner.input_batch.generators is generators  # restored after
+
+
+def test_top_k_on_a_step_with_no_drafted_tokens_leaves_the_empty_batch_as_it_is():
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    empty, no_k = torch.empty(0, 10), torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="numel"):  # what killed the engine
+        apply_top_k_top_p(empty, no_k, None)
+    load_general_plugins()
+    fixed = rejection_sampler.apply_top_k_top_p
+    assert fixed(empty, no_k, None).shape == (0, 10)
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    masked = fixed(logits.clone(), torch.tensor([2], dtype=torch.int32), None)
+    assert torch.isinf(masked).tolist() == [[True, False, True, False]]  # rows still masked

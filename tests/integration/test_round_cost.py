@@ -25,53 +25,84 @@ arms:
           VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}
 """
 
-# Drafts 2 tokens a step alone, none with two or more requests in a step.
+# Drafts 2 tokens a step alone, none with two or more requests in a step. argv[1] = "skip" runs
+# with the arm setting `skip_drafter_at_k0` (its environment variable, as engine/arm.py sets it).
 SCHEDULED = textwrap.dedent(
     """
-    import json, os
+    import json, os, sys
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    from specserve.engine.vllm_fixes import SKIP_DRAFTER_AT_K0_ENV
+    os.environ[SKIP_DRAFTER_AT_K0_ENV] = "1" if sys.argv[1] == "skip" else "0"
     if __name__ == "__main__":
         from vllm import LLM, SamplingParams
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
         from specserve.drafter.evaluate import spec_counters
         from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
+        passes = [0]  # the drafter's forward passes
+        forward = Eagle3LlamaForCausalLM.forward
+        def counted(self, *args, **kwargs):
+            passes[0] += 1
+            return forward(self, *args, **kwargs)
+        Eagle3LlamaForCausalLM.forward = counted
         llm = LLM(model=resolve_model_source("embedded://SmolLM2-135M-Instruct"),
                   enforce_eager=True, max_model_len=1024, max_num_seqs=4, disable_log_stats=False,
+                  dtype="float32",  # greedy output compared across runs whose drafts differ
                   speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
                                       "model": str(PACKAGED_DRAFTERS_DIR / "eagle3.1"),
                                       "num_speculative_tokens_per_batch_size": [[1, 1, 2],
                                                                                 [2, 4, 0]]})
-        params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
         chat = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(4)]
-        counts = []
-        for batch in (chat[:1], chat):  # one request alone, then four at once
-            before = spec_counters(llm)
-            llm.chat(batch, params, use_tqdm=False)
+        same = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+        # Three stop early: the fourth then drafts alone after steps at k = 0.
+        staggered = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+                     for n in (6, 6, 6, 40)]
+        phases = []
+        for batch, params in ((chat[:1], same), (chat, same), (chat, staggered)):
+            before, passes[0] = spec_counters(llm), 0
+            outputs = llm.chat(batch, params, use_tqdm=False)
             after = spec_counters(llm)
-            counts.append({k: after[k] - before[k] for k in ("drafts", "draft_tokens")})
-        print(json.dumps(counts))
+            phase = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+            phase |= {"passes": passes[0], "texts": [o.outputs[0].text for o in outputs]}
+            phases.append(phase)
+        print(json.dumps(phases))
     """
 )
 
 
-def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
+def _scheduled(tmp_path, mode: str) -> list[dict]:
+    import json
+
     script = tmp_path / "scheduled.py"
     script.write_text(SCHEDULED)
     done = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), mode],
         capture_output=True,
         text=True,
         timeout=280,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
-    alone, together = json.loads(done.stdout.strip().splitlines()[-1])
+
+def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
+    kept = _scheduled(tmp_path, "keep")
+    alone, together, staggered = kept
     # Alone: every step drafts k = 2 (23 steps after the prefill's first token at most).
     assert alone["drafts"] > 0 and alone["draft_tokens"] == 2 * alone["drafts"]
-    # Four at once, all of the same length: every step has four requests, so k = 0.
+    # Four at once, all of the same length: every step has four requests, so k = 0; vLLM
+    # still runs the drafter over each step's tokens.
     assert together["drafts"] == 0 and together["draft_tokens"] == 0
+    assert together["passes"] > 0
+    assert staggered["drafts"] > 0  # the long one alone
+
+    skipped = _scheduled(tmp_path, "skip")
+    # The arm setting: no drafter pass at k = 0, drafting elsewhere as before, same output.
+    assert skipped[1]["passes"] == 0 and skipped[1]["drafts"] == 0
+    assert skipped[0]["drafts"] == alone["drafts"] and skipped[0]["passes"] == alone["passes"]
+    assert skipped[2]["drafts"] > 0 and skipped[2]["accepted"] > 0  # drafting resumes
+    assert [p["texts"] for p in skipped] == [p["texts"] for p in kept]
 
 
 def test_round_costs_cover_every_batch_size_and_k(tmp_path):

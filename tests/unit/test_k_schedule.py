@@ -12,7 +12,8 @@ from specserve.ab.prometheus import ArmTotals
 from specserve.ab.report import Options, compare, live_chain, render, suggest_schedule
 from specserve.cli import main as cli
 from specserve.config import ConfigError, parse_config, revision_of
-from specserve.engine.arm import engine_kwargs
+from specserve.engine import vllm_fixes
+from specserve.engine.arm import engine_env, engine_kwargs
 from specserve.k_schedule import RoundCosts, derive
 from tests.conftest import render_config
 
@@ -77,6 +78,17 @@ def test_the_engine_gets_the_schedule_and_per_step_stats_and_an_arm_without_one_
     assert with_schedule.k_by_arm == {"base": [("1+", 0)], "e": [("1+", 3)]}
     two = parse_config(EAGLE % ", num_speculative_tokens_per_batch_size: [[1, 4, 3], [5, 8, 1]]")
     assert two.k_by_arm["e"] == [("1-4", 3), ("5+", 1)]
+
+
+def test_an_eagle_arm_skips_its_drafter_at_k0_unless_told_not_and_vllm_never_sees_the_key():
+    default = parse_config(EAGLE % "")
+    arm = default.arm("e")
+    assert "skip_drafter_at_k0" not in engine_kwargs(arm, default.model)["speculative_config"]
+    assert engine_env(arm)[vllm_fixes.SKIP_DRAFTER_AT_K0_ENV] == "1"
+    assert "skip_drafter_at_k0" not in str(arm.engine_args())  # left unset: nothing redeploys
+    kept = parse_config(EAGLE % ", skip_drafter_at_k0: false")
+    assert vllm_fixes.SKIP_DRAFTER_AT_K0_ENV not in engine_env(kept.arm("e"))
+    assert vllm_fixes.SKIP_DRAFTER_AT_K0_ENV not in engine_env(default.arm("base"))
 
 
 def test_each_batch_size_gets_the_k_with_the_most_tokens_per_second():

@@ -66,3 +66,24 @@ def test_top_k_on_a_step_with_no_drafted_tokens_leaves_the_empty_batch_as_it_is(
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     masked = fixed(logits.clone(), torch.tensor([2], dtype=torch.int32), None)
     assert torch.isinf(masked).tolist() == [[True, False, True, False]]  # rows still masked
+
+
+def test_a_step_at_k0_returns_no_drafts_without_the_drafters_pass():
+    from types import SimpleNamespace
+
+    calls = []
+
+    def propose(self, num_speculative_tokens, **kwargs):
+        calls.append(num_speculative_tokens)
+        return "drafts"
+
+    wrapped = vllm_fixes.skip_drafter_at_k0(propose)
+    proposer = SimpleNamespace(
+        device=torch.device("cpu"), num_speculative_tokens=3, _last_draft_probs=object()
+    )
+    step = SimpleNamespace(batch_size=lambda: 5)
+    out = wrapped(proposer, num_speculative_tokens=0, common_attn_metadata=step)
+    assert out.shape == (5, 0) and out.dtype == torch.int64 and calls == []  # as vLLM returns
+    assert proposer.num_speculative_tokens == 0 and proposer._last_draft_probs is None
+    assert wrapped(proposer, num_speculative_tokens=2, common_attn_metadata=step) == "drafts"
+    assert calls == [2]

@@ -44,12 +44,13 @@ def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tok
     config = load_config(config_path).config
     arm = config.arm(arm_name)
     assert arm is not None and arm.speculative.method != "none"
-    os.environ.update(arm.env)
+    from specserve.engine.arm import engine_env, engine_kwargs
+
+    os.environ.update(engine_env(arm))  # before vLLM loads its plugins
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, where we time it
     from vllm import LLM, SamplingParams
 
     from specserve.bench.serving import load_prompts
-    from specserve.engine.arm import engine_kwargs
     from specserve.models import resolve_model_source
 
     max_k = arm.speculative.num_speculative_tokens  # type: ignore[union-attr]

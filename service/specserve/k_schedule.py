@@ -3,8 +3,9 @@
 A schedule is vLLM's `speculative_config.num_speculative_tokens_per_batch_size`: inclusive
 batch-size ranges `(first, last, k)`, the first starting at 1, `k = 0` where drafting does not
 pay. vLLM's scheduler looks up the k of each step by the number of requests in it and the
-proposer drafts that many (with k = 0 an EAGLE drafter still runs its first pass, to keep its
-KV cache in step, but proposes nothing and nothing is verified).
+proposer drafts that many (with k = 0 nothing is proposed or verified; vLLM still runs an EAGLE
+drafter's first pass to keep its KV cache in step, which specserve's CPU engines skip unless the
+arm sets `skip_drafter_at_k0: false`).
 
 What pays follows from two measurements:
 - `RoundCosts`: milliseconds per engine step (a round: one target forward over every request in

@@ -1,0 +1,120 @@
+"""What the drafter's pass at k = 0 costs an EAGLE arm, and what skipping it costs acceptance.
+
+    python -m specserve.bench.k0_pass --config docs/bench/k0-skip.yaml --arm eagle3.1
+
+One in-process engine of the arm (its engine settings, environment and schedule) serves the
+same held-out chat prompts, `--in-flight` at a time, each with its own answer length (48 to 191
+tokens, so that requests finish one by one and the engine drafts again once fewer are left than
+the schedule's k = 0 range starts at). Passes alternate between vLLM's behaviour (the drafter
+runs over every step's tokens at k = 0) and `skip_drafter_at_k0` (engine/vllm_fixes.py), in
+rotating order, so the machine's drift spreads over both. Per setting: generated tokens/s, the
+median decode step, and the share of drafts accepted in the steps that drafted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SETTINGS = ("keep", "skip")
+
+
+def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: int) -> dict:
+    from specserve.config import load_config
+    from specserve.engine.arm import engine_env, engine_kwargs
+
+    config = load_config(config_path).config
+    arm = config.arm(arm_name)
+    if arm is None or arm.speculative.method != "eagle3":
+        raise SystemExit(f"{arm_name}: not an EAGLE arm of {config_path}")
+    os.environ.update(engine_env(arm))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here, to switch and time it
+    from vllm import LLM, SamplingParams
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from specserve.bench.serving import load_prompts
+    from specserve.drafter.evaluate import spec_counters
+    from specserve.engine import vllm_fixes
+    from specserve.models import resolve_model_source
+
+    kwargs = engine_kwargs(arm, config.model)
+    kwargs.update(max_num_seqs=in_flight, disable_log_stats=False)
+    llm = LLM(model=resolve_model_source(config.model.source), **kwargs)
+    propose = getattr(SpecDecodeBaseProposer.propose, "__wrapped__", SpecDecodeBaseProposer.propose)
+    proposers = {"keep": propose, "skip": vllm_fixes.skip_drafter_at_k0(propose)}
+
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process
+    step_fn, decode_steps = core.step_fn, []
+
+    def timed_step(*args, **kw):
+        start = time.perf_counter()
+        result = step_fn(*args, **kw)
+        decode_steps.append(time.perf_counter() - start)
+        return result
+
+    core.step_fn = timed_step
+    chats: list[Any] = load_prompts("chat", prompts)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=48 + (i * 37) % 144) for i in range(len(chats))
+    ]
+    llm.chat(chats[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    found: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    for n in range(passes):
+        for name in SETTINGS[n % 2 :] + SETTINGS[: n % 2]:
+            SpecDecodeBaseProposer.propose = proposers[name]  # type: ignore[method-assign]
+            before, decode_steps[:] = spec_counters(llm), []
+            start = time.perf_counter()
+            outputs = llm.chat(chats, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            after = spec_counters(llm)
+            drafts = after["draft_tokens"] - before["draft_tokens"]
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            found[name].append(
+                {
+                    "tokens_per_s": tokens / seconds,
+                    "step_ms": 1000 * statistics.median(decode_steps),
+                    "drafts": drafts,
+                    "accepted": (after["accepted"] - before["accepted"]) / max(drafts, 1),
+                }
+            )
+            print(f"pass {n + 1}, {name}: {json.dumps(found[name][-1])}", file=sys.stderr)
+    return {
+        name: {key: statistics.median(p[key] for p in runs) for key in runs[0]}
+        for name, runs in found.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.settings import get_settings
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=None, help="default: the configured one")
+    parser.add_argument("--arm", default="eagle3.1")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--in-flight", type=int, default=16, help="requests at once")
+    parser.add_argument("--passes", type=int, default=4, help="per setting")
+    args = parser.parse_args(argv)
+    config = args.config or get_settings().config
+    result = run(args.arm, config, args.prompts, args.in_flight, args.passes)
+    print("| setting | tokens/s | engine step (median) | draft tokens | accepted per draft token |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in result.items():
+        print(
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['step_ms']:.1f} ms | {r['drafts']:.0f} "
+            f"| {r['accepted']:.3f} |"
+        )
+    keep, skip = result["keep"], result["skip"]
+    print(f"skip / keep: {skip['tokens_per_s'] / keep['tokens_per_s']:.3f}x tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,33 +8,29 @@ tokens, so that requests finish one by one and the engine drafts again once fewe
 the schedule's k = 0 range starts at). Passes alternate between vLLM's behaviour (the drafter
 runs over every step's tokens at k = 0) and `skip_drafter_at_k0` (engine/vllm_fixes.py), in
 rotating order, so the machine's drift spreads over both. Per setting: generated tokens/s, the
-median decode step, and the share of drafts accepted in the steps that drafted.
+median engine step (prefills included), and the share of draft tokens accepted in the steps that
+drafted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from specserve.bench.round_cost import in_process_engine
+
 SETTINGS = ("keep", "skip")
 
 
 def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: int) -> dict:
-    from specserve.config import load_config
-    from specserve.engine.arm import engine_env, engine_kwargs
-
-    config = load_config(config_path).config
-    arm = config.arm(arm_name)
-    if arm is None or arm.speculative.method != "eagle3":
+    model, arm, kwargs = in_process_engine(config_path, arm_name)
+    if arm.speculative.method != "eagle3":
         raise SystemExit(f"{arm_name}: not an EAGLE arm of {config_path}")
-    os.environ.update(engine_env(arm))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine here, to switch and time it
     from vllm import LLM, SamplingParams
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
@@ -43,9 +39,8 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
     from specserve.engine import vllm_fixes
     from specserve.models import resolve_model_source
 
-    kwargs = engine_kwargs(arm, config.model)
     kwargs.update(max_num_seqs=in_flight, disable_log_stats=False)
-    llm = LLM(model=resolve_model_source(config.model.source), **kwargs)
+    llm = LLM(model=resolve_model_source(model.source), **kwargs)
     propose = getattr(SpecDecodeBaseProposer.propose, "__wrapped__", SpecDecodeBaseProposer.propose)
     proposers = {"keep": propose, "skip": vllm_fixes.skip_drafter_at_k0(propose)}
 

@@ -31,30 +31,41 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from specserve.config import ArmEngineConfig, ModelConfig
 from specserve.k_schedule import RoundCosts
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_REQUEST = 48  # enough decode steps per pass to outweigh the one prefill step
 
 
-def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tokens: int) -> dict:
-    """In this process: load the arm's engine, measure every (b, k) cell, print the result."""
+def in_process_engine(
+    config_path: Path, arm_name: str
+) -> tuple[ModelConfig, ArmEngineConfig, dict]:
+    """An arm of a config file set up to run as an in-process vLLM engine here, as its replicas
+    run it: its environment set in this process (before vLLM loads specserve's plugin) and the
+    engine core kept in this process, to time and switch. -> (model, arm, engine arguments)."""
     from specserve.config import load_config
+    from specserve.engine.arm import engine_env, engine_kwargs
 
     config = load_config(config_path).config
     arm = config.arm(arm_name)
-    assert arm is not None and arm.speculative.method != "none"
-    from specserve.engine.arm import engine_env, engine_kwargs
+    if arm is None:
+        raise SystemExit(f"{arm_name}: no such arm in {config_path}")
+    os.environ.update(engine_env(arm))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return config.model, arm, engine_kwargs(arm, config.model)
 
-    os.environ.update(engine_env(arm))  # before vLLM loads its plugins
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, where we time it
+
+def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tokens: int) -> dict:
+    """In this process: load the arm's engine, measure every (b, k) cell, print the result."""
+    model, arm, kwargs = in_process_engine(config_path, arm_name)
+    assert arm.speculative.method != "none"
     from vllm import LLM, SamplingParams
 
     from specserve.bench.serving import load_prompts
     from specserve.models import resolve_model_source
 
     max_k = arm.speculative.num_speculative_tokens  # type: ignore[union-attr]
-    kwargs = engine_kwargs(arm, config.model)
     batch_limit = arm.ongoing_per_replica()
     sizes = [b for b in sizes if b <= batch_limit]
     # Dynamic speculative decoding on, so that the scheduler asks each step's k of its lookup.
@@ -63,7 +74,7 @@ def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tok
     ]
     kwargs.update(disable_log_stats=False, max_num_seqs=batch_limit)
     kwargs.pop("per_request_spec_decode_metrics", None)
-    llm = LLM(model=resolve_model_source(config.model.source), **kwargs)
+    llm = LLM(model=resolve_model_source(model.source), **kwargs)
     core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process
     scheduler = core.scheduler
     steps: dict[tuple[int, int], list[float]] = defaultdict(list)

@@ -37,7 +37,7 @@ def test_the_job_runs_adapt_on_the_capture_store_in_a_cluster_of_its_own():
     assert command[:3] == ["specserve", "drafter", "adapt"]
     args = build_parser().parse_args(command[1:])  # the CLI takes it as written
     assert args.captured.as_posix() == mount and args.arm == "eagle3.1"
-    assert args.work_dir.as_posix() == f"{mount}/_adapt/work"
+    assert args.work_dir.as_posix() == chart_values("cpu")["adapt"]["workStore"]["mountPath"]
     assert args.out.as_posix() == f"{mount}/_adapt/drafters"  # where the engines can load it
     assert args.address == "auto" and args.updates == 2000 and args.base == "package://eagle3.1"
     workers = spec["rayClusterSpec"]["workerGroupSpecs"]
@@ -65,6 +65,68 @@ def test_the_job_runs_adapt_on_the_capture_store_in_a_cluster_of_its_own():
 
 
 GATED = {"version": "1.7.0", "featureGates": ["RayCronJob"]}
+
+
+def test_adapts_work_files_are_on_a_claim_no_engine_pod_mounts():
+    """What adapt loads (shards, checkpoints) lives where only the job's pods can write: an
+    engine pod, which mounts the capture store, cannot plant it."""
+    objs = render_objects("cpu", captureStore=STORE, adapt=ADAPT)
+    spec = one(objs, "RayJob")["spec"]
+    work_dir = build_parser().parse_args(shlex.split(spec["entrypoint"])[1:]).work_dir
+    claims = {c["metadata"]["name"]: c for c in by_kind(objs, "PersistentVolumeClaim")}
+    work_claim = claims["specserve-adapt-work"]
+    assert work_claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert work_claim["spec"]["storageClassName"] == "nfs"  # the capture store's by default
+    assert "helm.sh/resource-policy" not in (work_claim["metadata"].get("annotations") or {})
+    for pod in job_pods(spec):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["adapt-work"]["persistentVolumeClaim"]["claimName"] == "specserve-adapt-work"
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["adapt-work"] == work_dir.as_posix()
+    store = chart_values("cpu")["captureStore"]["mountPath"]
+    assert not work_dir.is_relative_to(store)
+    service = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    for group in [service["headGroupSpec"], *service["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        claimed = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert "specserve-adapt-work" not in claimed
+        assert all(
+            m["mountPath"] != work_dir.as_posix() for m in pod["containers"][0]["volumeMounts"]
+        )
+    validate_all(objs)
+
+    own = render_objects(
+        "cpu", captureStore=STORE, adapt={**ADAPT, "workStore": {"existingClaim": "mine"}}
+    )
+    assert "specserve-adapt-work" not in {
+        c["metadata"]["name"] for c in by_kind(own, "PersistentVolumeClaim")
+    }
+    for pod in job_pods(one(own, "RayJob")["spec"]):
+        assert {"name": "adapt-work", "persistentVolumeClaim": {"claimName": "mine"}} in pod[
+            "volumes"
+        ]
+
+
+def test_a_work_store_the_jobs_pods_cannot_share_or_that_is_the_capture_store_is_refused():
+    def values(work_store: dict, store: dict = STORE) -> dict:
+        return generate._merge(
+            generate.profile_values("cpu"),
+            {"captureStore": store, "adapt": {**ADAPT, "workStore": work_store}},
+        )
+
+    assert "adapt.workStore.accessModes" in refused(values({"accessModes": ["ReadWriteOnce"]}))
+    mount = chart_values("cpu")["captureStore"]["mountPath"]
+    for inside in (mount, f"{mount}/_adapt/work"):
+        assert "adapt.workStore.mountPath" in refused(values({"mountPath": inside}))
+    no_class = {**STORE, "storageClassName": "", "existingClaim": "captured"}
+    assert "adapt.workStore.storageClassName" in refused(values({}, no_class))
+    assert one(
+        generate.objects(generate.render(values({"existingClaim": "w"}, no_class))), "RayJob"
+    )
 
 
 def test_a_schedule_makes_it_a_raycronjob_with_the_same_job():

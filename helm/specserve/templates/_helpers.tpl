@@ -514,8 +514,12 @@ rayClusterSpec:
           {{- include "specserve.adaptPodSpec" (dict "root" $root "container" "ray-worker" "resources" $root.Values.adapt.worker.resources "image" .image "group" $root.Values.adapt.worker) | nindent 10 }}
 {{- end }}
 
-{{/* A pod of `drafter adapt`'s Ray cluster: the config (for the target model), the model cache
-and the capture store, no API keys and no Serve proxy. Args: root, container, resources, image,
+{{- define "specserve.adaptWorkClaimName" -}}
+{{- default (printf "%s-adapt-work" (include "specserve.fullname" .)) .Values.adapt.workStore.existingClaim }}
+{{- end }}
+
+{{/* A pod of `drafter adapt`'s Ray cluster: the config (for the target model), the model cache,
+the capture store and adapt's work claim, no API keys and no Serve proxy. Args: root, container, resources, image,
 group (worker: nodeSelector, tolerations). */}}
 {{- define "specserve.adaptPodSpec" -}}
 {{- $root := .root }}
@@ -588,6 +592,7 @@ containers:
       - {name: dshm, mountPath: /dev/shm}
       - {name: router-config, mountPath: /etc/specserve, readOnly: true}
       - {name: capture-store, mountPath: {{ $root.Values.captureStore.mountPath }}}
+      - {name: adapt-work, mountPath: {{ $root.Values.adapt.workStore.mountPath }}}
       {{- if $root.Values.modelCache.enabled }}
       - {name: model-cache, mountPath: {{ $root.Values.modelCache.mountPath }}}
       {{- end }}
@@ -602,6 +607,10 @@ volumes:
   - name: capture-store
     persistentVolumeClaim:
       claimName: {{ default (printf "%s-capture" (include "specserve.fullname" $root)) $root.Values.captureStore.existingClaim }}
+  # Work files (what adapt loads) on a claim no engine pod mounts.
+  - name: adapt-work
+    persistentVolumeClaim:
+      claimName: {{ include "specserve.adaptWorkClaimName" $root }}
   {{- if $root.Values.modelCache.enabled }}
   - name: model-cache
     persistentVolumeClaim:
@@ -641,5 +650,16 @@ Serve config when an arm's engine changes. The config editor's Role and the loop
 {{- end }}
 {{- if not (has "ReadWriteMany" .Values.captureStore.accessModes) }}
 {{- fail (printf "captureStore.accessModes: adapt's pods read the store the engine pods write, on other nodes: use [ReadWriteMany] (with a captureStore.storageClassName that provides it), not %s" (join "," .Values.captureStore.accessModes)) }}
+{{- end }}
+{{- with .Values.adapt.workStore }}
+{{- if not (has "ReadWriteMany" .accessModes) }}
+{{- fail (printf "adapt.workStore.accessModes: every pod of the adapt job reads and writes its work files, on other nodes: use [ReadWriteMany], not %s" (join "," .accessModes)) }}
+{{- end }}
+{{- if not (or .existingClaim .storageClassName $.Values.captureStore.storageClassName) }}
+{{- fail "adapt.workStore.storageClassName: a ReadWriteMany claim needs a storage class that provides ReadWriteMany; name one (here or in captureStore.storageClassName), or mount a claim of your own with adapt.workStore.existingClaim" }}
+{{- end }}
+{{- if or (eq .mountPath $.Values.captureStore.mountPath) (hasPrefix (printf "%s/" (trimSuffix "/" $.Values.captureStore.mountPath)) .mountPath) }}
+{{- fail (printf "adapt.workStore.mountPath: %s is the capture store's path or under it; give adapt's work files a path of their own" .mountPath) }}
+{{- end }}
 {{- end }}
 {{- end }}

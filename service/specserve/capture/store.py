@@ -298,8 +298,8 @@ def forget_copies(work: Path, older_than_s: float | None = None) -> None:
 
 
 def _work_dirs(directory: Path) -> list[Path]:
-    """Work directories of `drafter adapt` kept in the store (`_adapt/work` on Kubernetes): any
-    directory under a `_` one that holds one of the captured copies."""
+    """Work directories of `drafter adapt` kept in the store (a `--work-dir` under a `_` directory
+    of it): any directory under a `_` one that holds one of the captured copies."""
     found = []
     for root in directory.glob("_*"):
         for candidate in [root, *root.rglob("*")]:
@@ -324,7 +324,7 @@ def read(directory: Path, arm: str | None = None) -> Iterator[Record]:
 
 def _dirs(directory: Path) -> list[Path]:
     """The arms' directories. A name no arm can have (`_...`) is not one: `drafter adapt`
-    keeps its work and its drafters beside the records there on Kubernetes (`_adapt`)."""
+    keeps its accepted drafters beside the records there on Kubernetes (`_adapt`)."""
     try:
         return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("_"))
     except FileNotFoundError:

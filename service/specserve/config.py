@@ -430,6 +430,23 @@ class RoutingConfig(_Strict):
         "kills engines kills one on each of two arms.",
     )
 
+    max_key_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="The most of an arm's A/B statistics and acceptance guardrail one API key may "
+        "make: among any `key_share_window` consecutive requests counted for an arm, at most this "
+        "share from one key; the rest of its requests are served but counted nowhere. null (the "
+        "default): every weighted and sticky request counts. With fewer active keys than "
+        "1 / share the statistics grow only as fast as the other keys send.",
+    )
+    key_share_window: int = Field(
+        200,
+        ge=10,
+        le=1_000_000,
+        description="Counted requests per arm over which `max_key_share` is held.",
+    )
+
     def names_arm_to(self, admin: bool) -> bool:
         """Whether an answer to a client (an admin key or not) carries the arm's name."""
         return self.arm_header == "everyone" or admin

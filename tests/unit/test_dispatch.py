@@ -27,7 +27,7 @@ PUBLIC_KEY = "public-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"
 CONFIG = """\
 model: {{name: m, source: /nowhere, accelerator: cpu}}
-routing: {{arm_header: {arm_header}, replay_on_another_arm: {replay_on_another_arm}}}
+routing: {{arm_header: {arm_header}, replay_on_another_arm: {replay_on_another_arm}{routing}}}
 limits: {{max_tokens: 64, max_total_tokens: 128, body_timeout_s: 0.5{per_key}}}
 guardrail: {{min_acceptance_length: 1.5, window_s: 60, min_drafts: 20, drain_s: 300}}
 arms:
@@ -100,6 +100,7 @@ class Client:
         arm_header="admin",
         sticky_salt: str | None = None,
         replay_on_another_arm: bool = False,
+        routing: str = "",
     ) -> None:
         self.config = tmp_path / "config.yaml"
         self.config.write_text(
@@ -109,6 +110,7 @@ class Client:
                 capture=capture,
                 arm_header=arm_header,
                 replay_on_another_arm=str(replay_on_another_arm).lower(),
+                routing=routing,
             )
         )
         self.api_keys = tmp_path / "api-keys"
@@ -259,6 +261,28 @@ def test_forced_requests_neither_drain_an_arm_nor_count_in_the_ab_statistics(cli
         assert state.guard.drained() == frozenset()
         for _ in range(5):
             assert (await client.request())[0] == 200
+        assert state.guard.drained() == {"a"}
+
+    run(main())
+
+
+def test_one_key_past_its_share_of_an_arms_statistics_is_served_but_cannot_drain_it(
+    tmp_path, monkeypatch
+):
+    """routing.max_key_share 0.1 of 10 counted requests: one request per key. Every answer
+    (10 verify steps, no draft accepted) is below the floor, and the guardrail needs 20 steps:
+    one key alone, however many requests it sends, stays at 10; a second key's request makes
+    20 and drains the arm. (Without the bound the first key alone drains it: the test above.)"""
+    other_key = "other-key-0123456789abcdef"
+    client = Client(tmp_path, monkeypatch, routing=", max_key_share: 0.1, key_share_window: 10")
+    client.api_keys.write_text(f"team-a={PUBLIC_KEY}\nteam-b={other_key}\n")
+
+    async def main():
+        for _ in range(6):
+            assert (await client.request())[0] == 200  # served, counted once
+        state = client.dispatch.state
+        assert state.guard.drained() == frozenset()
+        assert (await client.request(key=other_key))[0] == 200
         assert state.guard.drained() == {"a"}
 
     run(main())

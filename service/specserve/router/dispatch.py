@@ -67,6 +67,7 @@ from specserve.router.arm_states import (
 )
 from specserve.router.exchange import ARM, Exchange, internal_error, send_error, send_json
 from specserve.router.guardrail import AcceptanceGuard
+from specserve.router.key_share import KeyShare
 from specserve.router.record import InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import Fate, ReplayedBodies, replay_identity
 from specserve.router.selection import (
@@ -217,6 +218,7 @@ class DispatchState:
         self.sticky_salt = b""  # until the router application names its salt file
         self._salt_file: str | None = None
         self.key_limits = KeyLimits()
+        self.key_share = KeyShare()
         self.replayed = ReplayedBodies()
         self._state_read_at = time.monotonic()
         self._reading: asyncio.Future[ServeState] | None = None
@@ -442,6 +444,7 @@ class DispatchState:
                 else:
                     data = parse_body(raw)
                 record.arm = self._pick_arm(request_headers, data, loaded, record)
+                self._count_share(record, identity, config)
                 # The arm is named to admin keys only (routing.arm_header): a client told its
                 # arm could try sticky keys until it had the one it wants.
                 show_arm = config.routing.names_arm_to(identity is None or identity.admin)
@@ -666,6 +669,20 @@ class DispatchState:
         except ArmNotRunningError:
             return record.arm
         return selection.arm
+
+    def _count_share(
+        self, record: RequestRecord, identity: Identity | None, config: RouterConfig
+    ) -> None:
+        """A key past its share of the arm's statistics (routing.max_key_share) is served, but
+        feeds neither the A/B statistics nor the guardrail (and is replayed on its own arm)."""
+        if not record.randomized or identity is None:
+            return
+        routing = config.routing
+        if not self.key_share.count(
+            record.arm, identity.name, routing.max_key_share, routing.key_share_window
+        ):
+            record.guard = None
+            record.randomized = False
 
     def _check_room(self, name: str, config: RouterConfig) -> None:
         """Refuse a request that would take this proxy past the arm's capacity: every replica

@@ -241,8 +241,9 @@ class RenderedCluster:
         return pod.plan.readiness_commands()
 
     def api_key(self, *, admin: bool = False) -> str:
-        """The chart's API key, or its admin key (which is told the arm that answered)."""
-        files = self.rendered.secret_data(self.keys_secret_name())
+        """The chart's API key, or its admin key (which is told the arm that answered), from the
+        Secret of the keys it drew, which no pod mounts (the pods hold their digests)."""
+        files = self.rendered.secret_data(self.keys_secret_name() + "-issued")
         rows = files["admin-keys" if admin else "api-keys"].splitlines()
         line = next(row for row in rows if row.strip() and row[0] != "#")
         return line.split("=", 1)[1] if "=" in line else line

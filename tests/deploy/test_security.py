@@ -6,6 +6,8 @@ Service that carry the OpenAI API only."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import re
 
 import pytest
@@ -19,6 +21,7 @@ from specserve.serve_config import (
     ROUTER_APP_NAME,
     STICKY_SALT_FILE,
 )
+from specserve.wire.auth import Identity, KeyRing
 from tests.deploy.conftest import by_kind, generate, one, pod_specs, render_objects, validate_all
 
 PROFILES = ("cpu", "gb200")
@@ -26,6 +29,7 @@ SELECTOR = {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/instance":
 OWN_PODS = {"podSelector": {"matchLabels": SELECTOR}}
 DASHBOARD_PORT, METRICS_PORT, GCS_PORT = 8265, 8080, 6379
 KEYS_SECRET = f"{generate.RELEASE}-api-keys"
+ISSUED_SECRET = f"{generate.RELEASE}-api-keys-issued"
 PRIVATE_RANGES = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"}
 
 
@@ -78,24 +82,45 @@ def rendered(request):
 # API keys
 
 
-def test_chart_creates_a_kept_secret_with_one_random_api_key_and_one_admin_key(rendered):
+def test_chart_creates_a_kept_secret_with_one_random_api_key_and_one_admin_key(rendered, tmp_path):
+    """The mounted Secret holds the keys' digests only; the keys themselves are in a Secret of
+    their own that no pod mounts, for the operator to hand out. The router takes the issued keys
+    against the mounted files, and nothing else."""
     _, objs = rendered
-    secret = one(objs, "Secret")
-    assert secret["metadata"]["name"] == KEYS_SECRET
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    (api,) = key_lines(secret, API_KEYS_FILE)
-    (admin,) = key_lines(secret, ADMIN_KEYS_FILE)
+    secrets = {s["metadata"]["name"]: s for s in by_kind(objs, "Secret")}
+    assert set(secrets) == {KEYS_SECRET, ISSUED_SECRET}
+    secret, issued = secrets[KEYS_SECRET], secrets[ISSUED_SECRET]
+    for kept in (secret, issued):
+        assert kept["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    (api,) = key_lines(issued, API_KEYS_FILE)
+    (admin,) = key_lines(issued, ADMIN_KEYS_FILE)
     assert re.fullmatch(r"default=[A-Za-z0-9]{40}", api), api
     assert re.fullmatch(r"admin=[A-Za-z0-9]{40}", admin), admin
-    assert api.split("=")[1] != admin.split("=")[1]
+    api_key, admin_key = api.split("=")[1], admin.split("=")[1]
+    assert api_key != admin_key
+    for file, line in ((API_KEYS_FILE, api), (ADMIN_KEYS_FILE, admin)):
+        name, key = line.split("=")
+        assert key_lines(secret, file) == [
+            f"{name}=sha256:{hashlib.sha256(key.encode()).hexdigest()}"
+        ]
+        assert key not in base64.b64decode(secret["data"][file]).decode()
+    for file in (API_KEYS_FILE, ADMIN_KEYS_FILE):
+        (tmp_path / file).write_bytes(base64.b64decode(secret["data"][file]))
+    ring = KeyRing(str(tmp_path / API_KEYS_FILE), str(tmp_path / ADMIN_KEYS_FILE))
+    assert ring.identify(api_key) == Identity("default", admin=False)
+    assert ring.identify(admin_key) == Identity("admin", admin=True)
+    assert ring.identify(api.split("sha256:")[-1]) is None
     # The sticky hash's salt: a random secret of its own.
     salt = base64.b64decode(secret["data"][STICKY_SALT_FILE]).decode()
     assert re.fullmatch(r"[A-Za-z0-9]{48}", salt) and salt not in (api, admin)
     # Drawn at render: another install gets other keys and another salt.
-    again = one(render_objects(rendered[0]), "Secret")
-    assert key_lines(again, API_KEYS_FILE) != [api]
-    assert again["data"][STICKY_SALT_FILE] != secret["data"][STICKY_SALT_FILE]
-    validate_all([secret])
+    again = {s["metadata"]["name"]: s for s in by_kind(render_objects(rendered[0]), "Secret")}
+    assert key_lines(again[ISSUED_SECRET], API_KEYS_FILE) != [api]
+    assert again[KEYS_SECRET]["data"][STICKY_SALT_FILE] != secret["data"][STICKY_SALT_FILE]
+    validate_all([secret, issued])
+    # The issued keys are mounted nowhere.
+    for pod in pod_specs(objs):
+        assert ISSUED_SECRET not in json.dumps(pod)
 
 
 def test_every_ray_container_mounts_the_keys_secret_read_only(rendered):

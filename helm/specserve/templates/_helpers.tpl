@@ -44,6 +44,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* The keys the chart drew, in plain text for the operator; mounted nowhere. */}}
+{{- define "specserve.issuedKeysSecretName" -}}
+{{- printf "%s-api-keys-issued" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "specserve.configMapName" -}}
 {{- printf "%s-config" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}

@@ -87,11 +87,16 @@ def test_capture_resumes_only_for_the_same_conversations(tiny_target, tmp_path):
     assert list(features.glob("shard-*.pt")) == again  # new answers: the stale shard is gone
 
 
+SWITCHES = {"eagle3": {}, "eagle31": {"fc_norm": True, "norm_output": True}}
+
+
 @pytest.mark.e2e
-# Training, then two float32 vLLM engines (their run bounded at 500 s): ~2 minutes on two cores.
+# Training twice, then three float32 vLLM engines (their run bounded at 500 s) and the
+# evaluation's: ~3 minutes on two cores.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("switches", [{}, {"fc_norm": True, "norm_output": True}])
-def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
+def test_train_export_and_serve_in_vllm(tiny_target, tmp_path):
+    """An EAGLE-3 and an EAGLE-3.1 drafter trained on the tiny target, exported, and served by
+    vLLM beside the plain target (one run: the plain engine serves as both's reference)."""
     conversations = write_conversations(tmp_path / "answers.jsonl")
     from transformers import AutoConfig
 
@@ -102,30 +107,33 @@ def test_train_export_and_serve_in_vllm(tiny_target, tmp_path, switches):
     records = load_records(shards)
     assert records and records[0]["aux"].shape[-1] == 3 * 128
 
-    model = new_drafter(tiny_target, records, draft_vocab_size=512, **switches)
-    if model.fc_norm is not None:  # each norm starts at its layer's scale
-        scales = [norm.weight.mean().item() for norm in model.fc_norm]
-        assert scales == pytest.approx(captured_rms(records, 3), rel=1e-5)
-    config = TrainConfig(epochs=4, tokens_per_update=64, lr=3e-3, checkpoint_every=5)
-    train(model, records, tmp_path / "run", config)
-    assert (tmp_path / "run" / "checkpoint.pt").exists()
-    export = model.export(tmp_path / "export", dtype=torch.float32)
-    reloaded = Drafter.from_pretrained(export)
-    assert reloaded.config.fc_norm == bool(switches)
+    exports = {}
+    for name, switches in SWITCHES.items():
+        model = new_drafter(tiny_target, records, draft_vocab_size=512, **switches)
+        if model.fc_norm is not None:  # each norm starts at its layer's scale
+            scales = [norm.weight.mean().item() for norm in model.fc_norm]
+            assert scales == pytest.approx(captured_rms(records, 3), rel=1e-5)
+        config = TrainConfig(epochs=4, tokens_per_update=64, lr=3e-3, checkpoint_every=5)
+        train(model, records, tmp_path / name, config)
+        assert (tmp_path / name / "checkpoint.pt").exists()
+        exports[name] = model.export(tmp_path / f"{name}-export", dtype=torch.float32)
+        reloaded = Drafter.from_pretrained(exports[name])
+        assert reloaded.config.fc_norm == bool(switches)
 
     out = tmp_path / "out.json"
+    drafters = [f"{name}={path}" for name, path in exports.items()]
     subprocess.run(
-        [sys.executable, str(VLLM_COMPARE), tiny_target, str(out), f"eagle={export}"],
+        [sys.executable, str(VLLM_COMPARE), tiny_target, str(out), *drafters],
         check=True,
         timeout=500,
     )
     result = json.loads(out.read_text())
-    assert result["eagle_drafts"] > 0, "vLLM did not draft with the exported drafter"
-    assert result["eagle"] == result["plain"], "speculation changed greedy float32 output"
-    if switches:
-        return  # one drafter is enough for the evaluation's per-prompt figures
+    for name in SWITCHES:
+        assert result[name + "_drafts"] > 0, f"vLLM did not draft with the exported {name}"
+        assert result[name] == result["plain"], f"{name}: speculation changed greedy output"
+    # One drafter is enough for the evaluation's per-prompt figures.
     report = tmp_path / "eval.json"
-    _isolated(_evaluate, tiny_target, str(export), report)
+    _isolated(_evaluate, tiny_target, str(exports["eagle3"]), report)
     rows = json.loads(report.read_text())
     assert [row["prompt_set"] for row in rows] == ["plain", "sampled"]
     for row in rows:  # the sampled set: token ids, each under the sampling it was captured with

@@ -68,8 +68,8 @@ def one_request(client: httpx.Client, i: int) -> str:
     return "cut" if '"error"' in events[-2] else "ok"
 
 
-# A second replica's start, two kills and their replacements: 3-4 minutes on two cores, and
-# the restore's wait (420 s) after a failure.
+# A second replica's start, two kills and the first one's replacement: 2-3 minutes on two
+# cores, and the restore's wait (420 s) after a failure.
 @pytest.mark.timeout(900)
 def test_killing_one_engine_replica_under_load(live, restore_config):
     text = live.config_path.read_text()
@@ -183,7 +183,8 @@ def kill_the_replica_of_a_stream_mid_way(live) -> None:
     # The tokens sent before the kill are counted again by the tokenizer: within a token or two.
     assert abs(usage["completion_tokens"] - max_tokens) <= 2, usage
     live.wait_for_metric(STREAMS_RESUMED + "_total", resumed_before + 1, arm="no-spec")
-    wait_for_replicas(APP, 2)
+    # Its replacement is not waited for: the arm scales down to one replica next, and Ray
+    # Serve stops a starting replica before a running one (the first kill showed the return).
 
 
 def content(chunk: dict) -> str:

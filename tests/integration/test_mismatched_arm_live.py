@@ -262,7 +262,7 @@ def check_drain_and_return(live, with_arm: str) -> None:
 
 
 CAPTURED = 60  # extraction requests captured for adapt
-MAX_WAIT_S = 120  # for the A/B's verdict, from the challenger's first answer
+MAX_WAIT_S = 90  # for the A/B's verdict, from the challenger's first answer
 
 
 def with_capture(config: str, arm: str) -> str:
@@ -350,7 +350,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     work, report = tmp_path / "work", tmp_path / "loop.json"
     command = [sys.executable, "-m", "specserve.cli", "loop", "--incumbent", ARM]
     command += ["--local", str(live.config_path), "--prometheus", prometheus.url]
-    command += ["--share", "0.5", "--poll-s", "5", "--min-requests", "20"]
+    command += ["--share", "0.5", "--poll-s", "5", "--min-requests", "12"]
     command += ["--max-wait-s", str(MAX_WAIT_S), "--json", str(report)]
     command += ["--base", "package://eagle3", "--captured", str(live.capture_dir)]
     command += ["--arm", "no-spec", "--work-dir", str(work), "--out", str(tmp_path / "out")]

@@ -25,18 +25,21 @@ arms:
           VLLM_CPU_NUM_OF_RESERVED_CPU: "0"}
 """
 
-# Drafts 2 tokens a step alone, none with two or more requests in a step. argv[1] = "skip" runs
-# with the arm setting `skip_drafter_at_k0` (its environment variable, as engine/arm.py sets it).
+# Drafts 2 tokens a step alone, none with two or more requests in a step. One engine, each batch
+# run twice: with vLLM's own `propose` ("keep") and with the plugin's (the arm setting
+# `skip_drafter_at_k0`, its environment variable as engine/arm.py sets it: "skip"). No prefix
+# caching, so that the second run of a batch does the same work as the first.
 SCHEDULED = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     from specserve.engine.vllm_fixes import SKIP_DRAFTER_AT_K0_ENV
-    os.environ[SKIP_DRAFTER_AT_K0_ENV] = "1" if sys.argv[1] == "skip" else "0"
+    os.environ[SKIP_DRAFTER_AT_K0_ENV] = "1"
     if __name__ == "__main__":
         from vllm import LLM, SamplingParams
         from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from specserve.drafter.evaluate import spec_counters
         from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
         passes = [0]  # the drafter's forward passes
@@ -48,35 +51,41 @@ SCHEDULED = textwrap.dedent(
         llm = LLM(model=resolve_model_source("embedded://SmolLM2-135M-Instruct"),
                   enforce_eager=True, max_model_len=1024, max_num_seqs=4, disable_log_stats=False,
                   dtype="float32",  # greedy output compared across runs whose drafts differ
+                  enable_prefix_caching=False,
                   speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
                                       "model": str(PACKAGED_DRAFTERS_DIR / "eagle3.1"),
                                       "num_speculative_tokens_per_batch_size": [[1, 1, 2],
                                                                                 [2, 4, 0]]})
+        skip = SpecDecodeBaseProposer.propose  # the plugin's, loaded with the engine
+        assert getattr(skip, "skips_drafter_at_k0", False), "the plugin did not wrap propose"
+        proposers = {"keep": skip.__wrapped__, "skip": skip}
         chat = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(4)]
         same = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
         # Three stop early: the fourth then drafts alone after steps at k = 0.
         staggered = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
                      for n in (6, 6, 6, 40)]
-        phases = []
+        phases = {"keep": [], "skip": []}
         for batch, params in ((chat[:1], same), (chat, same), (chat, staggered)):
-            before, passes[0] = spec_counters(llm), 0
-            outputs = llm.chat(batch, params, use_tqdm=False)
-            after = spec_counters(llm)
-            phase = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-            phase |= {"passes": passes[0], "texts": [o.outputs[0].text for o in outputs]}
-            phases.append(phase)
+            for mode, propose in proposers.items():
+                SpecDecodeBaseProposer.propose = propose
+                before, passes[0] = spec_counters(llm), 0
+                outputs = llm.chat(batch, params, use_tqdm=False)
+                after = spec_counters(llm)
+                phase = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+                phase |= {"passes": passes[0], "texts": [o.outputs[0].text for o in outputs]}
+                phases[mode].append(phase)
         print(json.dumps(phases))
     """
 )
 
 
-def _scheduled(tmp_path, mode: str) -> list[dict]:
+def _scheduled(tmp_path) -> dict[str, list[dict]]:
     import json
 
     script = tmp_path / "scheduled.py"
     script.write_text(SCHEDULED)
     done = subprocess.run(
-        [sys.executable, str(script), mode],
+        [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -87,7 +96,8 @@ def _scheduled(tmp_path, mode: str) -> list[dict]:
 
 
 def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
-    kept = _scheduled(tmp_path, "keep")
+    phases = _scheduled(tmp_path)
+    kept = phases["keep"]
     alone, together, staggered = kept
     # Alone: every step drafts k = 2 (23 steps after the prefill's first token at most).
     assert alone["drafts"] > 0 and alone["draft_tokens"] == 2 * alone["drafts"]
@@ -97,7 +107,7 @@ def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
     assert together["passes"] > 0
     assert staggered["drafts"] > 0  # the long one alone
 
-    skipped = _scheduled(tmp_path, "skip")
+    skipped = phases["skip"]
     # The arm setting: no drafter pass at k = 0, drafting elsewhere as before, same output.
     assert skipped[1]["passes"] == 0 and skipped[1]["drafts"] == 0
     assert skipped[0]["drafts"] == alone["drafts"] and skipped[0]["passes"] == alone["passes"]

@@ -150,6 +150,58 @@ def test_gb200_upgrades_in_place_and_the_incremental_strategy_is_not_offered():
     assert "upgradeStrategy: None" in (ROOT / "docs" / "kubernetes.md").read_text()
 
 
+LIVE_RAYSERVICE = 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname'
+
+
+def render_upgrade(values: dict[str, Any], running: dict[str, Any], tmp_path) -> dict[str, str]:
+    """An upgrade's render with `running` as the live RayService. Offline Helm's `lookup` finds
+    nothing, so a copy of the chart has that one call replaced by the object it would return."""
+    import json
+
+    import helm_python as helm
+
+    chart = tmp_path / "chart"
+    shutil.copytree(generate.CHART, chart)
+    template = chart / "templates" / "rayservice.yaml"
+    text = template.read_text()
+    assert text.count(LIVE_RAYSERVICE) == 1
+    template.write_text(text.replace(LIVE_RAYSERVICE, f"fromJson `{json.dumps(running)}`"))
+    return helm.Chart.load(str(chart)).render(
+        values, name=generate.RELEASE, namespace=generate.NAMESPACE, is_upgrade=True
+    )
+
+
+def test_under_upgrade_strategy_none_a_change_of_the_running_clusters_spec_is_refused(tmp_path):
+    """KubeRay applies a new Serve config to the running cluster and leaves a changed cluster
+    spec unapplied under None: new code in old pods. The chart refuses such an upgrade, and
+    lets through what KubeRay applies in place (the Serve config, worker replica counts)."""
+    import helm_python as helm
+
+    installed = generate.profile_values("gb200")
+    running = one(generate.objects(generate.render(installed)), "RayService")
+    image = generate._merge(installed, {"image": {"tag": "0.2.0-gpu"}})
+    with pytest.raises(helm.HelmRenderError, match="ray.upgradeStrategy None: this upgrade"):
+        render_upgrade(image, running, tmp_path / "image")
+    params = generate._merge(installed, {"head": {"rayStartParams": {"num-cpus": "1"}}})
+    with pytest.raises(helm.HelmRenderError, match="delete the RayService first"):
+        render_upgrade(params, running, tmp_path / "params")
+    # Arms, weights, limits (the Serve config and the router's ConfigMap) and worker counts.
+    config = installed["config"]
+    arms = [{**arm, "weight": 50 if arm["name"] == "no-spec" else 25} for arm in config["arms"]]
+    arms[-1]["speculative"] = {**arms[-1]["speculative"], "num_speculative_tokens": 4}
+    serving = {
+        "config": {**config, "arms": arms, "limits": {"max_tokens": 1024}},
+        "workerGroups": [{**installed["workerGroups"][0], "replicas": 4, "maxReplicas": 4}],
+    }
+    served = generate.objects(
+        render_upgrade(generate._merge(installed, serving), running, tmp_path / "ok")
+    )
+    assert one(served, "RayService")["spec"]["serveConfigV2"] != running["spec"]["serveConfigV2"]
+    # Under NewCluster KubeRay rolls the cluster: nothing to refuse.
+    rolled = generate._merge(image, {"ray": {"upgradeStrategy": "NewCluster"}})
+    assert one(generate.objects(render_upgrade(rolled, running, tmp_path / "new")), "RayService")
+
+
 # 4. Engines off the head
 
 

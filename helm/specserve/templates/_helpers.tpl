@@ -668,3 +668,66 @@ Serve config when an arm's engine changes. The config editor's Role and the loop
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The RayService's `rayClusterConfig`. Args: root, image, fingerprint (true: the worker groups'
+replica counts left out, as KubeRay leaves them out when it decides whether a changed cluster spec
+needs a new cluster: it applies a changed count in place under every upgrade strategy). */}}
+{{- define "specserve.rayClusterConfig" -}}
+{{- $root := .root }}
+{{- $image := .image }}
+{{- $fingerprint := .fingerprint }}
+rayVersion: {{ $root.Values.ray.version | quote }}
+{{- with $root.Values.ray.auth }}
+authOptions:
+  mode: {{ . }}
+{{- end }}
+{{- with $root.Values.ray.gcsFaultTolerance }}
+{{- if .redisAddress }}
+# The cluster's state in an external Redis: a restarted head takes the running arms back.
+gcsFaultToleranceOptions:
+  redisAddress: {{ .redisAddress | quote }}
+  {{- with .redisPasswordSecret }}
+  redisPassword:
+    valueFrom:
+      secretKeyRef: {name: {{ .name }}, key: {{ .key }}}
+  {{- end }}
+{{- end }}
+{{- end }}
+enableInTreeAutoscaling: false
+headGroupSpec:
+  rayStartParams:
+    {{- toYaml $root.Values.head.rayStartParams | nindent 4 }}
+  template:
+    metadata:
+      labels:
+        {{- include "specserve.selectorLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: ray-head
+      {{- with $root.Values.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- include "specserve.podSpec" (dict "root" $root "group" $root.Values.head "image" $image "container" "ray-head") | nindent 6 }}
+workerGroupSpecs:
+  {{- range $root.Values.workerGroups }}
+  - groupName: {{ .name }}
+    {{- if not $fingerprint }}
+    replicas: {{ .replicas }}
+    minReplicas: {{ default .replicas .minReplicas }}
+    maxReplicas: {{ default .replicas .maxReplicas }}
+    {{- end }}
+    rayStartParams:
+      {{- toYaml .rayStartParams | nindent 6 }}
+    template:
+      metadata:
+        labels:
+          {{- include "specserve.selectorLabels" $root | nindent 10 }}
+          app.kubernetes.io/component: ray-worker
+        {{- with $root.Values.podAnnotations }}
+        annotations:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
+      spec:
+        {{- include "specserve.podSpec" (dict "root" $root "group" . "image" $image "container" "ray-worker") | nindent 8 }}
+  {{- end }}
+{{- end }}

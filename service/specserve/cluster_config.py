@@ -512,17 +512,6 @@ class Cluster:
             return False
         return True
 
-    def patch_configmap(self, name: str, patch: dict[str, Any]) -> None:
-        self._call(
-            f"patch ConfigMap {name}",
-            self.core.patch_namespaced_config_map,
-            name,
-            self.namespace,
-            patch,
-            field_manager=FIELD_MANAGER,
-            _content_type="application/merge-patch+json",
-        )
-
     def apply_configmap(self, body: dict[str, Any]) -> None:
         """Server-side apply of the fields `body` names, taking them from other managers; a
         `metadata.resourceVersion` in it is a precondition (a stale one raises `Conflict`)."""
@@ -707,12 +696,11 @@ def _switch(
     applied_at = next_applied_at(now, by_revision.values())
     body = history_configmap(live_name, cluster.release, text, applied_at)
     if not cluster.create_configmap(body):
-        # Applied before: the record stays, its applied-at moves (metadata of an immutable
-        # ConfigMap may change).
-        cluster.patch_configmap(
-            body["metadata"]["name"],
-            {"metadata": {"annotations": {APPLIED_AT_ANNOTATION: format_time(applied_at)}}},
-        )
+        # Applied before: its record is written again with the new applied-at, deleted and
+        # created rather than patched, so that the config editor's Role may patch the live
+        # ConfigMap only (rbac.yaml).
+        cluster.delete_configmap(body["metadata"]["name"])
+        cluster.create_configmap(body)
     by_revision[new_revision] = Record.from_configmap(body)
     if changes:
         _patch_arms(cluster, config, service)

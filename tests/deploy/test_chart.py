@@ -310,9 +310,13 @@ def test_config_editor_role_grants_exactly_what_the_config_commands_use():
     from tests.deploy.test_config_rollout import RBAC
 
     assert granted == RBAC
-    (patch,) = [rule for rule in role["rules"] if "patch" in rule["verbs"] and rule["apiGroups"][0]]
-    service = one(render_objects("cpu"), "RayService")["metadata"]["name"]
-    assert patch["resourceNames"] == [service]  # no other release's RayService
+    objs = render_objects("cpu")
+    patches = {rule["resources"][0]: rule for rule in role["rules"] if "patch" in rule["verbs"]}
+    assert set(patches) == {"configmaps", "rayservices"}
+    service = one(objs, "RayService")["metadata"]["name"]
+    assert patches["rayservices"]["resourceNames"] == [service]  # no other release's RayService
+    live = next(c for c in by_kind(objs, "ConfigMap") if c["metadata"]["name"].endswith("-config"))
+    assert patches["configmaps"]["resourceNames"] == [live["metadata"]["name"]]  # nor ConfigMap
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 
 from specserve.cli import main
+from specserve.cluster_config import FIELD_MANAGER
 from specserve.config import parse_config, revision_of
 from specserve.serve_config import ROUTER_APP_NAME, serve_config
 from tests.deploy.conftest import generate
@@ -93,6 +94,12 @@ def standin(tmp_path, monkeypatch):
         if method == "PATCH" and "/rayservices/" in path
     }
     assert patched <= {SERVICE}, f"the Role patches only this release's RayService: {patched}"
+    patched = {  # by specserve (a test's own tampering has no field manager)
+        path.split("?")[0].rsplit("/", 1)[1]
+        for method, path, _ in standin.requests
+        if method == "PATCH" and "/configmaps/" in path and f"fieldManager={FIELD_MANAGER}" in path
+    }
+    assert patched <= {LIVE}, f"the Role patches only this release's live ConfigMap: {patched}"
 
 
 @pytest.fixture

@@ -629,13 +629,20 @@ mountable by several pods at once. */}}
 {{- printf "%s-loop" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* What changing the router config takes: its ConfigMap and revision records (found by label,
-changed with merge patches, old records deleted beyond the history bound), and the RayService's
-Serve config when an arm's engine changes. The config editor's Role and the loop's. */}}
+{{/* What changing the router config takes: its ConfigMap (patched) and revision records (found
+by label, created, deleted beyond the history bound or to be written again), and the
+RayService's Serve config when an arm's engine changes. The config editor's Role and the loop's.
+Records are named by their content, so creating and deleting them cannot be limited by name
+(Kubernetes cannot limit create by name at all); patching can, to the live ConfigMap. */}}
 {{- define "specserve.configEditorRules" -}}
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [list, create, patch, delete]
+  verbs: [list, create, delete]
+# Patching a ConfigMap changes what some program reads: this release's router config only.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [patch]
+  resourceNames: [{{ include "specserve.configMapName" . }}]
 - apiGroups: [ray.io]
   resources: [rayservices]
   verbs: [list]

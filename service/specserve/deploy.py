@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,41 @@ STRAGGLER_GRACE_S = 3.0
 
 class DeployError(RuntimeError):
     pass
+
+
+# Ray's own switch for token authentication between its processes and on its ports, and where
+# a local cluster's token is kept (Ray 2.60 writes it with the process's umask: often 0644).
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+def refuse_ray_without_token(environ: Mapping[str, str]) -> None:
+    """A local cluster's ports listen on the node's address: without Ray's token anyone who
+    reaches them runs code in it. Ray 2.60 turns tokens on when its mode is unset (and reads
+    the mode when it is imported, so it is not set here); a mode that turns them off is
+    refused."""
+    mode = environ.get(RAY_AUTH_MODE_ENV)
+    if mode is not None and mode.lower() != "token":
+        raise DeployError(
+            f"{RAY_AUTH_MODE_ENV}={mode}: the local Ray cluster would run without token "
+            "authentication, and anyone who reaches this machine's Ray ports could run code in "
+            f"it; unset {RAY_AUTH_MODE_ENV} (Ray then turns tokens on) or join a cluster of "
+            "your own with SPECSERVE_RAY_ADDRESS"
+        )
+
+
+def check_ray_token(environ: Mapping[str, str], token_file: Path = RAY_TOKEN_FILE) -> None:
+    """After a local cluster started: tokens are on (a later Ray whose default differs is
+    stopped here, not served), and the token file is readable by its owner only."""
+    if environ.get(RAY_AUTH_MODE_ENV, "").lower() != "token":
+        raise DeployError(
+            "the local Ray cluster started without token authentication (this Ray does not turn "
+            f"it on by default): set {RAY_AUTH_MODE_ENV}=token before starting specserve"
+        )
+    with contextlib.suppress(FileNotFoundError):
+        if token_file.stat().st_mode & 0o077:
+            token_file.chmod(0o600)
+            logger.info("Ray's token file %s made readable by its owner only", token_file)
 
 
 def starts_local_cluster(settings: Settings) -> bool:
@@ -126,11 +162,17 @@ class Platform:
                 # The arms keep their capture samples here (capture/store.py).
                 os.environ[CAPTURE_DIR_ENV] = str(s.capture_path())
                 os.environ.setdefault(WORKER_NICENESS_ENV, WORKER_NICENESS)
+                refuse_ray_without_token(os.environ)
                 ray.init(
                     num_cpus=s.ray_num_cpus,
                     include_dashboard=False,
                     _metrics_export_port=s.metrics_port,
                 )
+                try:
+                    check_ray_token(os.environ)
+                except DeployError:
+                    ray.shutdown()
+                    raise
         serve.start(http_options={"host": s.host, "port": s.port})
 
     def stop(self, *, drain: bool = True) -> None:

@@ -1,10 +1,15 @@
 """API keys and the admin surface on the real platform (the dispatch in Ray Serve's real HTTP
 proxy, real engines), through the official OpenAI client: 401 without a key, 403 for a public
 key forcing an arm, keys rotated by editing the file, Ray Serve's steering headers dropped, and
-the counts by key name."""
+the counts by key name. And Ray's own door: the local cluster refuses a client without its
+token."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
@@ -12,6 +17,7 @@ import openai
 import pytest
 
 from specserve import headers
+from specserve.deploy import RAY_TOKEN_FILE
 from specserve.metrics import API_KEY_OUTPUT_TOKENS, API_KEY_REQUESTS, NO_KEY
 from tests.conftest import ADMIN_KEY, MODEL, PUBLIC, PUBLIC_KEY
 
@@ -104,3 +110,33 @@ def test_a_key_added_to_the_file_works_and_a_removed_one_stops(live):
     while status(PUBLIC_KEY) != 200:
         assert time.monotonic() < deadline, "the restored key was not taken"
         time.sleep(0.25)
+
+
+JOIN = textwrap.dedent(
+    """
+    import sys, ray
+    try:
+        ray.init(address=sys.argv[1], log_to_driver=False)
+    except Exception as exc:
+        print(type(exc).__name__, str(exc)[:300])
+        sys.exit(3)
+    print("joined")
+    """
+)
+
+
+def test_the_local_ray_cluster_refuses_a_client_without_its_token(live):
+    """`specserve serve`'s cluster listens on the node's address: a process that reaches its
+    GCS with another token is refused (deploy.check_ray_token), and the token file is private."""
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex * 2}
+    env |= {"RAY_gcs_rpc_server_connect_timeout_s": "3"}  # refused: no need to retry for long
+    done = subprocess.run(
+        [sys.executable, "-c", JOIN, gcs], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 3, (done.stdout, done.stderr[-2000:])
+    assert "joined" not in done.stdout
+    assert RAY_TOKEN_FILE.stat().st_mode & 0o077 == 0

@@ -114,6 +114,33 @@ def test_which_addresses_serve_without_keys(monkeypatch, host, env, allowed):
             check_exposure(settings)
 
 
+@pytest.mark.parametrize(
+    ("mode", "refused"), [(None, False), ("token", False), ("TOKEN", False), ("disabled", True)]
+)
+def test_a_local_ray_cluster_is_refused_with_rays_token_authentication_turned_off(mode, refused):
+    from specserve.deploy import RAY_AUTH_MODE_ENV, DeployError, refuse_ray_without_token
+
+    environ = {} if mode is None else {RAY_AUTH_MODE_ENV: mode}
+    if refused:
+        with pytest.raises(DeployError, match=f"{RAY_AUTH_MODE_ENV}=disabled"):
+            refuse_ray_without_token(environ)
+    else:
+        refuse_ray_without_token(environ)
+
+
+def test_a_started_local_cluster_must_have_tokens_on_and_its_token_file_is_made_private(tmp_path):
+    from specserve.deploy import RAY_AUTH_MODE_ENV, DeployError, check_ray_token
+
+    token = tmp_path / "auth_token"
+    token.write_text("t" * 64)
+    token.chmod(0o644)  # as Ray writes it under the usual umask
+    with pytest.raises(DeployError, match="without token authentication"):
+        check_ray_token({}, token)
+    check_ray_token({RAY_AUTH_MODE_ENV: "token"}, token)
+    assert token.stat().st_mode & 0o777 == 0o600
+    check_ray_token({RAY_AUTH_MODE_ENV: "token"}, tmp_path / "none")  # no file: nothing to do
+
+
 @pytest.fixture
 def held_port():
     """A loopback port another server listens on (as a running `specserve serve` would)."""

@@ -245,7 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prometheus", help="a Prometheus scraping specserve (required for a loop)"
     )
     loop_p.add_argument("--candidate", type=Path, help="skip adapt: this exported drafter")
-    loop_p.add_argument("--share", type=float, default=0.1, help="challenger's traffic share")
+    loop_p.add_argument(
+        "--share",
+        type=float,
+        default=0.5,
+        help="challenger's share of the incumbent's weight, taken from it (0.5: the same load)",
+    )
     loop_p.add_argument("--poll-s", type=float, default=30.0)
     loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
     loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")

@@ -5,13 +5,15 @@
 1. A candidate: `--candidate DIR`, else `drafter adapt` on the capture store (drafter/adapt.py);
    one that is not better offline ends the loop before anything is deployed.
 2. A challenger arm: the incumbent's arm with the candidate as its drafter, named after the
-   candidate (`eagle3.1-<digest>`), at `--share` of the weighted traffic: a config revision.
+   candidate (`eagle3.1-<digest>`), taking `--share` of the incumbent's weight (0.5: the two
+   engines carry the same load, as a fair comparison of per-user speed needs): a revision.
 3. The verdict of `ab report` (ab/report.py: per-user output tokens/s with an always-valid
    interval) for the challenger against the incumbent, from the moment the challenger first
    served, read every `--poll-s`.
 4. promote: the incumbent arm takes the candidate and the challenger goes (one revision);
    roll back, a guardrail drain of the challenger, a sample-ratio mismatch or no verdict within
-   `--max-wait-s`: the challenger goes (one revision).
+   `--max-wait-s`: the challenger goes (one revision). Either way its weight returns to the
+   incumbent.
 
 Every step is a config revision through the normal path — `config apply` on Kubernetes, the file
 a local `specserve serve` runs from with `--local` — so `config history` lists it and `config
@@ -57,7 +59,7 @@ class LoopError(RuntimeError):
 @dataclass
 class LoopConfig:
     incumbent: str
-    share: float = 0.1  # of the weighted traffic, for the challenger
+    share: float = 0.5  # of the incumbent's weight, for the challenger: 0.5 = the same load
     poll_s: float = 30.0
     max_wait_s: float = 3600.0
     start_timeout_s: float = 900.0  # for the challenger's first answer
@@ -104,7 +106,8 @@ def with_challenger(
     live: str, incumbent: str, candidate: Path, share: float
 ) -> tuple[str, RouterConfig, str]:
     """The live config plus a challenger arm: the incumbent's, with `candidate` as its drafter
-    and a weight that gives it `share` of the weighted traffic. -> text, config, arm name."""
+    and `share` of the incumbent's weight, taken from the incumbent (the other arms keep
+    theirs; at 0.5 both engines carry the same load). -> text, config, arm name."""
     document = yaml.safe_load(live)
     base = _arm(document, incumbent)
     if (base.get("speculative") or {}).get("method") != "eagle3":
@@ -114,9 +117,12 @@ def with_challenger(
     name = candidate.name
     if any(a.get("name") == name for a in _arms(document)):
         raise LoopError(f"an arm {name!r} already runs: finish or remove that experiment first")
-    total = sum(float(a.get("weight", 0)) for a in _arms(document))
+    weight = float(base.get("weight", 0))
+    if weight <= 0:
+        raise LoopError(f"arm {incumbent!r} takes no weighted traffic to share with a challenger")
     challenger = copy.deepcopy(base)
-    challenger.update(name=name, weight=round(total * share / (1 - share), 3))
+    challenger.update(name=name, weight=round(weight * share, 6))
+    base["weight"] = round(weight - challenger["weight"], 6)
     challenger["speculative"]["model"] = str(candidate)
     challenger.pop("capture", None)  # the incumbent's capture keeps the traffic's sample
     _arms(document).append(challenger)
@@ -125,19 +131,25 @@ def with_challenger(
 
 
 def promoted(live: str, incumbent: str, challenger: str) -> tuple[str, RouterConfig]:
-    """The incumbent takes the challenger's drafter; the challenger goes."""
+    """The incumbent takes the challenger's drafter and weight; the challenger goes."""
     document = yaml.safe_load(live)
     model = _arm(document, challenger)["speculative"]["model"]
     _arm(document, incumbent)["speculative"]["model"] = model
-    document["arms"] = [a for a in _arms(document) if a.get("name") != challenger]
-    return _revision(document)
+    return _revision(_removed(document, challenger, incumbent))
 
 
-def without(live: str, challenger: str) -> tuple[str, RouterConfig]:
-    document = yaml.safe_load(live)
-    _arm(document, challenger)
+def without(live: str, challenger: str, incumbent: str) -> tuple[str, RouterConfig]:
+    """The challenger goes; its weight returns to the incumbent."""
+    return _revision(_removed(yaml.safe_load(live), challenger, incumbent))
+
+
+def _removed(document: dict[str, Any], challenger: str, incumbent: str) -> dict[str, Any]:
+    weight = float(_arm(document, challenger).get("weight", 0))
     document["arms"] = [a for a in _arms(document) if a.get("name") != challenger]
-    return _revision(document)
+    if any(a.get("name") == incumbent for a in _arms(document)):
+        base = _arm(document, incumbent)
+        base["weight"] = round(float(base.get("weight", 0)) + weight, 6)
+    return document
 
 
 # -- the experiment --------------------------------------------------------------------------
@@ -216,7 +228,7 @@ class Loop:
             if challenger not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
                 return
             self.log(f"stopped by {type(exc).__name__}: removing challenger {challenger}")
-            text, routed = without(live, challenger)
+            text, routed = without(live, challenger, self.config.incumbent)
             self._step(f"challenger {challenger} removed: {ABORTED}", text, routed)
         except Exception as cleanup:
             self.log(
@@ -283,7 +295,7 @@ class Loop:
                 f"{incumbent} takes {challenger}'s drafter; {challenger} removed", text, routed
             )
         else:
-            text, routed = without(self.live_text(), challenger)
+            text, routed = without(self.live_text(), challenger, incumbent)
             self._step(f"challenger {challenger} removed: {outcome}", text, routed)
         self._ended = True
         return {
@@ -403,7 +415,7 @@ def remove_left_behind(
     live = live_text()
     if not name or name not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
         return None
-    text, routed = without(live, name)
+    text, routed = without(live, name, record.get("incumbent", ""))
     revision = apply(text, routed)
     log(
         f"revision {revision}: challenger {name} removed, left by a loop that stopped without "

@@ -31,19 +31,27 @@ def arms(text: str) -> dict[str, dict]:
     return {a["name"]: a for a in yaml.safe_load(text)["arms"]}
 
 
-def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share():
+def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share_of_its_weight():
+    """The challenger's weight is taken from the incumbent's: at the default share (0.5) the two
+    engines carry the same load, and the other arms keep their traffic."""
     live = DEFAULT.read_text()
-    text, config, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.1)
+    before = {n: a["weight"] for n, a in arms(live).items()}
+    assert loop.LoopConfig(incumbent="eagle3.1").share == 0.5
+    text, config, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.5)
     assert name == "eagle3.1-0123456789ab"
     found = arms(text)
     incumbent, challenger = found["eagle3.1"], found[name]
     assert challenger["speculative"] == {**incumbent["speculative"], "model": str(CANDIDATE)}
     assert challenger["engine"] == incumbent["engine"] and challenger["env"] == incumbent["env"]
     weights = {a.name: a.weight for a in config.arms}
-    assert weights[name] / sum(weights.values()) == pytest.approx(0.1, abs=1e-3)
-    assert {k: v for k, v in weights.items() if k != name} == {
-        n: a["weight"] for n, a in arms(live).items()
+    assert weights[name] == weights["eagle3.1"] == pytest.approx(before["eagle3.1"] / 2)
+    assert {k: v for k, v in weights.items() if k not in (name, "eagle3.1")} == {
+        k: v for k, v in before.items() if k != "eagle3.1"
     }
+    _, small, _ = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.1)
+    weights = {a.name: a.weight for a in small.arms}
+    assert weights[name] == pytest.approx(0.1 * before["eagle3.1"])
+    assert weights[name] + weights["eagle3.1"] == pytest.approx(before["eagle3.1"])
     with pytest.raises(loop.LoopError, match="does not run an EAGLE drafter"):
         loop.with_challenger(live, "ngram", CANDIDATE, 0.1)
     with pytest.raises(loop.LoopError, match="already runs"):
@@ -54,13 +62,14 @@ def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share():
 
 def test_promotion_gives_the_incumbent_the_drafter_and_removal_restores_the_arms():
     live = DEFAULT.read_text()
-    text, _, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=0.1)
-    promoted, _ = loop.promoted(text, "eagle3.1", name)
-    after = arms(promoted)
-    assert name not in after and after["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
-    assert after["eagle3.1"]["weight"] == arms(live)["eagle3.1"]["weight"]
-    removed, _ = loop.without(text, name)
-    assert arms(removed) == arms(live)
+    for share in (0.5, 0.1, 0.3):
+        text, _, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=share)
+        promoted, _ = loop.promoted(text, "eagle3.1", name)
+        after = arms(promoted)
+        assert name not in after and after["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
+        assert after["eagle3.1"]["weight"] == arms(live)["eagle3.1"]["weight"]
+        removed, _ = loop.without(text, name, "eagle3.1")
+        assert arms(removed) == arms(live)
 
 
 class Scripted:

@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--updates", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--share", type=float, default=0.3)
+    parser.add_argument(
+        "--share", type=float, default=0.5, help="of the incumbent's weight (0.5: equal load)"
+    )
     parser.add_argument("--poll-s", type=float, default=30)
     parser.add_argument("--min-requests", type=int, default=30)
     parser.add_argument("--max-wait-s", type=float, default=2400)

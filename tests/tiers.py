@@ -35,8 +35,8 @@ import pytest
 UNIT, RAY, LIVE, DISRUPTIVE, E2E = "unit", "ray", "live", "disruptive", "e2e"
 TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is marked with
 # Seconds per tier on the 2-core machine (the README's), with room to grow: a run of all tiers
-# measured unit 68, ray 420, live 559, disruptive 392, e2e 832 and tests/cluster 335 on it (and
-# unit 75, ray 544, live 641, disruptive 438, e2e 835 with other work beside it).
+# measured unit 68, ray 410, live 541, disruptive 353, e2e 676 and tests/cluster 330 on it (and
+# unit 75, ray 544, live 641, disruptive 438, e2e 835 with other work beside it, an older suite).
 # `make test` runs the suite, then tests/cluster (e2e) in a pytest run of its own: the two runs'
 # budgets together, at most TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum), leave a
 # third of CI's 90 minutes to spare.

@@ -49,6 +49,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-api-keys-issued" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* Where the operator reads a key to hand out: their own Secret, else the chart's issued one. */}}
+{{- define "specserve.handOutKeysSecretName" -}}
+{{- default (include "specserve.issuedKeysSecretName" .) .Values.apiKeys.existingSecret }}
+{{- end }}
+
 {{- define "specserve.configMapName" -}}
 {{- printf "%s-config" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from specserve import metrics
-from specserve.serve_config import ARM_APP_PREFIX
+from specserve.config.serve_config import ARM_APP_PREFIX
 
 # -- series -----------------------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ OVERLAY_NOTES = {
 
 def values_schema() -> dict[str, Any]:
     """values.schema.json with its `config` part regenerated from the pydantic schema."""
-    from specserve.config import RouterConfig
+    from specserve.config.schema import RouterConfig
 
     schema = json.loads(SCHEMA.read_text())
     config = RouterConfig.model_json_schema()
@@ -195,12 +195,12 @@ def generated_tpl() -> str:
     """Template definitions whose source of truth is Python: an arm's keys the router applies
     itself or that become Ray Serve deployment options, never the engine application's args
     (config.py's ROUTER_SIDE and DEPLOYMENT_OPTIONS)."""
-    from specserve.config import DEPLOYMENT_OPTIONS, ROUTER_SIDE
+    from specserve.config.schema import DEPLOYMENT_OPTIONS, ROUTER_SIDE
 
     keys = " ".join(sorted({*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}))
     return (
-        "{{- /* Generated from service/specserve/config.py by `make generate` (helm/generate.py);"
-        " do not edit. */}}\n"
+        "{{- /* Generated from service/specserve/config/schema.py by `make generate`"
+        " (helm/generate.py); do not edit. */}}\n"
         '{{- define "specserve.notEngineArgs" -}}\n' + keys + "\n{{- end }}\n"
     )
 

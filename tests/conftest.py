@@ -190,7 +190,7 @@ class Live:
         served revision alone may already equal `text` (a restore after a rejected file), and
         returning early would let the pending reload land in the next test's measurements.
         """
-        from specserve.config import revision_of
+        from specserve.config.schema import revision_of
         from specserve.metrics import CONFIG_RELOADS, RELOAD_APPLIED, RELOAD_INVALID
 
         result = RELOAD_APPLIED if expect_applied else RELOAD_INVALID
@@ -237,8 +237,8 @@ class Live:
 
 @pytest.fixture(scope="session")
 def live(tmp_path_factory):
+    from specserve.config.settings import Settings
     from specserve.deploy import Platform
-    from specserve.settings import Settings
 
     config_dir = tmp_path_factory.mktemp("config")
     config_path = config_dir / "config.yaml"

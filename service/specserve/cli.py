@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specserve.cluster_config import DEFAULT_KEEP
-from specserve.config import (
+from specserve.config.checks import check_engine_settings
+from specserve.config.cluster_store import DEFAULT_KEEP
+from specserve.config.schema import (
     ArmConfig,
     ConfigError,
     NoSpeculation,
@@ -25,7 +26,6 @@ from specserve.config import (
     read_config_file,
     revision_of,
 )
-from specserve.config_checks import check_engine_settings
 
 if TYPE_CHECKING:
     from specserve.drafter.adapt import AdaptConfig
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the router reads the config file at run time "
         "(default: the ConfigMap mount path of the Helm chart)",
     )
-    # The live config of a release on Kubernetes (specserve/cluster_config.py).
+    # The live config of a release on Kubernetes (specserve/config/cluster_store.py).
     cluster_args = argparse.ArgumentParser(add_help=False)
     cluster_args.add_argument("--release", default="specserve", help="Helm release (specserve)")
     cluster_args.add_argument(
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config" and args.config_command == "serve-config":
             import yaml
 
-            from specserve.serve_config import MOUNTED_CONFIG_PATH, serve_config
+            from specserve.config.serve_config import MOUNTED_CONFIG_PATH, serve_config
 
             loaded = load_config(args.file)
             document = serve_config(
@@ -410,10 +410,10 @@ def _config_store(
     """The live config's text and a way to apply a new revision (-> its revision), of the
     local file (`--local`) or a release on Kubernetes; what is applied is checked with vLLM's
     own argument parser first."""
-    from specserve import cluster_config
+    from specserve.config import cluster_store as cluster_config
 
     if args.local:
-        from specserve.local_config import LocalConfig
+        from specserve.config.local_store import LocalConfig
 
         local = LocalConfig(_config_path(None) if args.local == _CONFIGURED else args.local)
 
@@ -469,8 +469,8 @@ def _print_switch(args: argparse.Namespace, where: str, outcome) -> bool:  # noq
 
 def _local_config(args: argparse.Namespace) -> int:
     """`config apply | history | rollback --local`: the file `specserve serve` runs from."""
-    from specserve import cluster_config
-    from specserve.local_config import LocalConfig
+    from specserve.config import cluster_store as cluster_config
+    from specserve.config.local_store import LocalConfig
 
     path = _config_path(None) if args.local == _CONFIGURED else args.local
     if not path.is_file():
@@ -502,7 +502,7 @@ def _local_config(args: argparse.Namespace) -> int:
 
 def _cluster_config(args: argparse.Namespace) -> int:
     """`config apply | history | rollback` against a release on Kubernetes."""
-    from specserve import cluster_config
+    from specserve.config import cluster_store as cluster_config
 
     try:
         if args.config_command == "apply":
@@ -548,7 +548,7 @@ def _cluster_config(args: argparse.Namespace) -> int:
 
 
 def _loop_work_dir(args: argparse.Namespace) -> Path:
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     return args.work_dir or get_settings().cache_dir / "adapt"
 
@@ -589,7 +589,7 @@ def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN00
 
     from specserve import loop
     from specserve.ab.prometheus import Prometheus
-    from specserve.config import Eagle3Speculation
+    from specserve.config.schema import Eagle3Speculation
 
     config = loop.LoopConfig(
         incumbent=args.incumbent,
@@ -713,9 +713,9 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _drafter(args: argparse.Namespace) -> int:
+    from specserve.config.settings import get_settings
     from specserve.drafter.evaluate import evaluate, markdown_table, write_report
     from specserve.models import prepare_model
-    from specserve.settings import get_settings
 
     target = prepare_model(load_config(get_settings().config).config.model.source)
     if args.drafter_command == "build" and args.budget:
@@ -761,8 +761,8 @@ def adapt_config(args: argparse.Namespace, base: str, target: str):
     """An `AdaptConfig` from `_adapt_arguments`' options; those left out keep its defaults."""
     from dataclasses import replace
 
+    from specserve.config.settings import get_settings
     from specserve.drafter.adapt import AdaptConfig
-    from specserve.settings import get_settings
 
     def given(**options):
         return {name: value for name, value in options.items() if value is not None}
@@ -834,9 +834,9 @@ def _adapt(args: argparse.Namespace, target: str) -> int:
 def _diagnose(args: argparse.Namespace, target: str) -> int:
     import json
 
+    from specserve.config.settings import get_settings
     from specserve.drafter import diagnose
     from specserve.models import resolve_drafter_source
-    from specserve.settings import get_settings
 
     drafters = dict(item.split("=", 1) for item in args.drafters) or {
         name: str(resolve_drafter_source(f"package://{name}")) for name in ("eagle3", "eagle3.1")
@@ -855,7 +855,7 @@ def _diagnose(args: argparse.Namespace, target: str) -> int:
 
 
 def _config_path(explicit: Path | None) -> Path:
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     return explicit or get_settings().config
 
@@ -863,8 +863,8 @@ def _config_path(explicit: Path | None) -> Path:
 def _serve(config: Path | None) -> int:
     if config is not None:
         os.environ["SPECSERVE_CONFIG"] = str(config)
+    from specserve.config.settings import get_settings
     from specserve.deploy import DeployError, Platform
-    from specserve.settings import get_settings
 
     settings = get_settings()
     started = time.monotonic()

@@ -1,9 +1,9 @@
 """Run the platform on a Ray cluster from one declarative Serve config.
 
 `specserve serve` does locally what KubeRay does with a RayService: it hands Ray Serve the Serve
-config built from the router config (serve_config.py), and again for every new valid revision of
-the file. Ray Serve compares each application with the running one and redeploys only those
-whose config changed (an arm's drafter, k, engine settings); weights are not part of it, the
+config built from the router config (config/serve_config.py), and again for every new valid
+revision of the file. Ray Serve compares each application with the running one and redeploys only
+those whose config changed (an arm's drafter, k, engine settings); weights are not part of it, the
 router reads them from the file itself.
 """
 
@@ -27,12 +27,9 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from specserve import versions
-from specserve.config import LoadedConfig, load_config
-from specserve.config_checks import check_engine_settings
-from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
-from specserve.models import prepare_model
-from specserve.readiness import RUNNING, Readiness
-from specserve.serve_config import (
+from specserve.config.checks import check_engine_settings
+from specserve.config.schema import LoadedConfig, load_config
+from specserve.config.serve_config import (
     PROXY_HOOK,
     PROXY_HOOK_ENV,
     ROUTER_APP_NAME,
@@ -43,7 +40,10 @@ from specserve.serve_config import (
     draining_router,
     serve_config,
 )
-from specserve.settings import CAPTURE_DIR_ENV, Settings
+from specserve.config.settings import CAPTURE_DIR_ENV, Settings
+from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
+from specserve.models import prepare_model
+from specserve.readiness import RUNNING, Readiness
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ import yaml
 
 from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
-from specserve.config import RouterConfig, parse_config
+from specserve.config.schema import RouterConfig, parse_config
 
 PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
     "promoted",

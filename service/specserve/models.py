@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specserve.config import PACKAGE_SCHEME
-from specserve.settings import get_settings
+from specserve.config.schema import PACKAGE_SCHEME
+from specserve.config.settings import get_settings
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.config import RouterConfig
+from specserve.config.schema import RouterConfig
 
 # Ray Serve's application status of a serving arm; an arm Ray Serve does not list is reported
 # as NOT_DEPLOYED.

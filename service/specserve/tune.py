@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from specserve import k_schedule
-from specserve.config import RouterConfig, arm_changes, parse_config
+from specserve.config.schema import RouterConfig, arm_changes, parse_config
 
 LIVE, BENCH = "live traffic", "bench prompts"
 
@@ -239,7 +239,7 @@ def run(
     """Measure, derive and apply (module docstring) against a config store: the live config's
     text, and a way to apply a new revision (-> its revision)."""
     from specserve.ab.prometheus import PrometheusError
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     text = live_text()
     config = parse_config(text.encode(), source="the live config")

@@ -4,7 +4,7 @@ Kubernetes swaps a mounted ConfigMap by re-pointing a `..data` symlink, so chang
 the file's bytes through the path (never inotify on the inode) and compares revisions; new bytes
 are judged once they stay put (settle.py: a file edited in place can be read half-written). An
 invalid new file is logged and counted once, and the last good config keeps serving. Valid means
-the schema and the engine settings vLLM would accept (config_checks.py).
+the schema and the engine settings vLLM would accept (config/checks.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from specserve.config import ConfigError, LoadedConfig, parse_config, revision_of
-from specserve.config_checks import check_engine_settings
+from specserve.config.checks import check_engine_settings
+from specserve.config.schema import ConfigError, LoadedConfig, parse_config, revision_of
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 from specserve.settle import stays_put
 

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from specserve.settings import get_settings
+from specserve.config.settings import get_settings
 from tests.cluster.harness import RenderedCluster
 from tests.conftest import unavailable
 

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from specserve import cluster_config
-from specserve.config import ArmEngineConfig, parse_config, revision_of
-from specserve.serve_config import (
+from specserve.config import cluster_store as cluster_config
+from specserve.config.schema import ArmEngineConfig, parse_config, revision_of
+from specserve.config.serve_config import (
     ADMIN_KEYS_FILE,
     API_KEYS_FILE,
     MOUNTED_CONFIG_PATH,

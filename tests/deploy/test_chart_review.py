@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from specserve.serve_config import ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME, serve_config
+from specserve.config.serve_config import ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME, serve_config
 from tests.deploy.conftest import (
     ROOT,
     generate,
@@ -224,8 +224,8 @@ def test_no_engine_fits_on_the_head_and_the_router_needs_no_cpu(profile):
 
 def test_draining_the_router_keeps_its_resources():
     """A changed ray_actor_options restarts replicas: draining must change user_config only."""
-    from specserve.config import parse_config
-    from specserve.serve_config import draining_router
+    from specserve.config.schema import parse_config
+    from specserve.config.serve_config import draining_router
 
     config = parse_config(yaml.safe_dump(chart_values("cpu")["config"]))
     router = serve_config(config)["applications"][0]
@@ -239,7 +239,7 @@ def test_draining_the_router_keeps_its_resources():
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_engines_placement_group_stays_on_one_node(profile):
-    from specserve.config import ArmEngineConfig, ModelConfig
+    from specserve.config.schema import ArmEngineConfig, ModelConfig
     from specserve.engine.arm import build_llm_config
 
     config = chart_values(profile)["config"]

@@ -22,9 +22,9 @@ from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 
 from specserve.cli import main
-from specserve.cluster_config import FIELD_MANAGER
-from specserve.config import parse_config, revision_of
-from specserve.serve_config import ROUTER_APP_NAME, serve_config
+from specserve.config.cluster_store import FIELD_MANAGER
+from specserve.config.schema import parse_config, revision_of
+from specserve.config.serve_config import ROUTER_APP_NAME, serve_config
 from tests.deploy.conftest import generate
 from tests.deploy.kube_standin import CONFIGMAPS as configmaps
 from tests.deploy.kube_standin import RAYSERVICES as rayservices

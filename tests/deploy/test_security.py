@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from specserve.serve_config import (
+from specserve.config.serve_config import (
     ADMIN_KEYS_FILE,
     API_KEYS_FILE,
     HTTP_PORT,

@@ -20,7 +20,7 @@ from ray import serve
 
 from specserve import headers
 from specserve.bench.soak import busy_replica_pid
-from specserve.config import load_config
+from specserve.config.schema import load_config
 from specserve.metrics import ENGINE_RETRIES, STREAMS_RESUMED
 from tests.conftest import MODEL
 from tests.integration.serving import replica_actors, steady_traffic

@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from specserve import headers, loop
 from specserve.ab.report import PROMOTE
 from specserve.capture import store
-from specserve.config import load_config
+from specserve.config.schema import load_config
 from specserve.drafter.adapt import CAPTURED_SET, ORIGINAL_SETS, judge
 from specserve.drafter.domain import extraction_requests
 from specserve.drafter.prompts import CHAT_TEMPLATES, CHAT_TOPICS
@@ -328,7 +328,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     rates are measured in tests/unit/test_ab.py, a real budget's live verdict in BENCHMARKS.md,
     `bench.loop_proof`). Marked e2e, it runs last in its module (tests/conftest.py), so the arm
     the loop may have changed is not restarted before the module's fixture removes it."""
-    from specserve.local_config import LocalConfig
+    from specserve.config.local_store import LocalConfig
 
     original = live.config_path.read_text()
     store.purge(live.capture_dir)

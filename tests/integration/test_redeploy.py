@@ -7,7 +7,7 @@ the tests that use the platform, and puts k back whatever happens."""
 import pytest
 
 from specserve import headers
-from specserve.config import load_config
+from specserve.config.schema import load_config
 from tests.conftest import MODEL, render_config
 from tests.integration.serving import replica_actors, steady_traffic
 

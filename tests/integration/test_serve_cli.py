@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from specserve import headers
-from specserve.serve_config import ROUTER_DRAIN_S
+from specserve.config.serve_config import ROUTER_DRAIN_S
 from tests.conftest import MODEL, free_port, long_stream, render_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]

@@ -110,7 +110,7 @@ def arm_deployment():
     """A Ray Serve application named as arm `probe`'s, serving `front()` through `serve_app`."""
     from ray import serve
 
-    from specserve.serve_config import arm_app_name
+    from specserve.config.serve_config import arm_app_name
     from specserve.wire.arm_calls import ARM_METHOD
 
     async def dispatched(self, request: bytes):
@@ -212,7 +212,7 @@ def test_a_client_leaving_ends_the_call_without_more_answer(arm_deployment):
     # ... and the replica's app was cancelled (its engine's request would be aborted).
     from ray import serve
 
-    from specserve.serve_config import arm_app_name
+    from specserve.config.serve_config import arm_app_name
 
     replica = serve.get_deployment_handle(arm_app_name(ARM), arm_app_name(ARM))
     deadline = time.monotonic() + 10

@@ -1,7 +1,7 @@
 import pytest
 
 from specserve.cli import main
-from specserve.settings import get_settings
+from specserve.config.settings import get_settings
 
 A = """\
 model: {name: m, source: s}
@@ -78,7 +78,7 @@ def test_building_the_command_line_reads_no_settings():
 
 
 def test_serve_refuses_a_non_loopback_address_without_api_keys(monkeypatch, capsys):
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     monkeypatch.setenv("SPECSERVE_HOST", "0.0.0.0")
     get_settings.cache_clear()
@@ -101,8 +101,8 @@ def test_serve_refuses_a_non_loopback_address_without_api_keys(monkeypatch, caps
     ],
 )
 def test_which_addresses_serve_without_keys(monkeypatch, host, env, allowed):
+    from specserve.config.settings import Settings
     from specserve.deploy import DeployError, check_exposure
-    from specserve.settings import Settings
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -188,8 +188,8 @@ def test_a_second_serve_says_at_once_that_the_port_is_taken(
 
 
 def test_the_metrics_port_taken_on_any_address_is_refused(platform_config, held_port):
+    from specserve.config.settings import Settings
     from specserve.deploy import DeployError, Platform
-    from specserve.settings import Settings
     from tests.conftest import free_port
 
     settings = Settings(config=platform_config, port=free_port(), metrics_port=held_port)

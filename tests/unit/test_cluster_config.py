@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import yaml
 
-from specserve import cluster_config
 from specserve.cli import main
-from specserve.cluster_config import (
+from specserve.config import cluster_store as cluster_config
+from specserve.config.cluster_store import (
     ClusterError,
     Record,
     arm_changes,
@@ -27,8 +27,8 @@ from specserve.cluster_config import (
     records_to_prune,
     resolve_revision,
 )
-from specserve.config import parse_config, revision_of
-from specserve.serve_config import ROUTER_APP_NAME, serve_config
+from specserve.config.schema import parse_config, revision_of
+from specserve.config.serve_config import ROUTER_APP_NAME, serve_config
 
 CONFIG = """\
 model: {name: m, source: s}

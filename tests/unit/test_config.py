@@ -2,10 +2,10 @@ import re
 
 import pytest
 
-from specserve.config import ConfigError, load_config, parse_config, revision_of
+from specserve.config.schema import ConfigError, load_config, parse_config, revision_of
+from specserve.config.serve_config import ARM_NAME_ENV
+from specserve.config.settings import DEFAULT_CONFIG_PATH
 from specserve.engine.arm import build_llm_config
-from specserve.serve_config import ARM_NAME_ENV
-from specserve.settings import DEFAULT_CONFIG_PATH
 
 BASE = """
 model: {name: m, source: /models/m, accelerator: cpu}
@@ -175,7 +175,7 @@ def test_default_config_eagle_arms_point_at_shipped_drafters():
 def test_serve_config_is_the_router_app_plus_one_app_per_arm_without_weights():
     from ray.serve.schema import ServeDeploySchema
 
-    from specserve.serve_config import serve_config
+    from specserve.config.serve_config import serve_config
 
     config = parse_config(BASE)
     heavier = parse_config(BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 9}"))
@@ -198,7 +198,7 @@ def test_replica_and_queue_settings_are_deployment_options_outside_the_builders_
     options of its deployments it applies to the running replicas."""
     from ray.serve.schema import ServeDeploySchema
 
-    from specserve.serve_config import serve_config
+    from specserve.config.serve_config import serve_config
 
     scaled_text = BASE.replace(
         "{name: no-spec, weight: 1}",
@@ -245,8 +245,8 @@ def test_an_arms_capacity_per_proxy_is_its_replicas_full_and_its_queue_full():
 def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     import ray
 
+    from specserve.config.serve_config import arm_application
     from specserve.engine.arm import build_app
-    from specserve.serve_config import arm_application
 
     config = parse_config(BASE)
     # Ray Serve LLM joins the Ray of this process to build the deployment, or starts a local one,
@@ -454,7 +454,7 @@ def test_an_opt_in_names_each_setting_it_allows():
     assert arm.engine == {"trust_remote_code": True}
     # The arm's builder reads its args alone (serve_config): the opt-in travels with them, and
     # without it the builder refuses the setting too.
-    from specserve.config import ArmEngineConfig
+    from specserve.config.schema import ArmEngineConfig
 
     assert ArmEngineConfig.model_validate(arm.engine_args()).engine == arm.engine
     without = {k: v for k, v in arm.engine_args().items() if k != "allow_code_loading"}
@@ -489,7 +489,7 @@ def test_trust_remote_code_on_an_eagle_arm_needs_the_opt_in_for_its_drafters_cod
     arm = parse_config(arm_text(eagle + ", drafter: true}")).arm("no-spec")
     assert arm.allow_code_loading.drafter
     # Its builder, which reads the arm's args alone, holds it to the same.
-    from specserve.config import ArmEngineConfig
+    from specserve.config.schema import ArmEngineConfig
 
     assert ArmEngineConfig.model_validate(arm.engine_args()).allow_code_loading.drafter
     # Without trust_remote_code the drafter's code never runs: nothing to opt in to.

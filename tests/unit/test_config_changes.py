@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from specserve.cli import diff_configs
-from specserve.cluster_config import arm_changes, merge_arm_applications
-from specserve.config import parse_config
-from specserve.serve_config import arm_app_name, serve_config
+from specserve.config.cluster_store import arm_changes, merge_arm_applications
+from specserve.config.schema import parse_config
+from specserve.config.serve_config import arm_app_name, serve_config
 
 DEFAULT = (Path(__file__).parents[2] / "service/specserve/configs/default.yaml").read_text()
 NGRAM_DEFAULTS = ", prompt_lookup_max: 4, prompt_lookup_min: 2"

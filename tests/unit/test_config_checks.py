@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from specserve import models
-from specserve.config import ConfigError, RouterConfig, load_config
-from specserve.config_checks import _parser, check_engine_settings, engine_problems
-from specserve.config_policy import ENGINE_ALLOWED, ENGINE_REFUSED
+from specserve.config.checks import _parser, check_engine_settings, engine_problems
+from specserve.config.policy import ENGINE_ALLOWED, ENGINE_REFUSED
+from specserve.config.schema import ConfigError, RouterConfig, load_config
 from specserve.metrics import RELOAD_INVALID
 from specserve.watch import ConfigWatcher
 
@@ -65,7 +65,7 @@ def test_the_engine_allow_lists_name_vllm_engine_arguments():
     be refused by its reason."""
     from vllm.config import CompilationConfig
 
-    from specserve.config_policy import COMPILATION_ALLOWED
+    from specserve.config.policy import COMPILATION_ALLOWED
 
     assert ENGINE_ALLOWED - set(_parser().actions) == set()
     assert set(ENGINE_REFUSED) - set(_parser().actions) == set()

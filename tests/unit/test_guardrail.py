@@ -1,7 +1,7 @@
 """The acceptance guardrail drains an arm whose mean acceptance length falls below the floor,
 and gives it traffic again after the drain."""
 
-from specserve.config import GuardrailConfig
+from specserve.config.schema import GuardrailConfig
 from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.selection import choose_arm
 

@@ -11,7 +11,7 @@ from specserve import metrics as m
 from specserve.ab.prometheus import ArmTotals
 from specserve.ab.report import Options, compare, live_chain, render, suggest_schedule
 from specserve.cli import main as cli
-from specserve.config import ConfigError, parse_config, revision_of
+from specserve.config.schema import ConfigError, parse_config, revision_of
 from specserve.engine import vllm_fixes
 from specserve.engine.arm import engine_env, engine_kwargs
 from specserve.k_schedule import RoundCosts, derive

@@ -1,4 +1,4 @@
-"""`specserve config apply | history | rollback --local` (local_config.py): the file a local
+"""`specserve config apply | history | rollback --local` (config/local_store.py): the file a local
 `specserve serve` runs from gets revisions and a history beside it, as a release's ConfigMap
 does on Kubernetes; a bad file changes nothing."""
 
@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from specserve.cli import main as cli
-from specserve.cluster_config import ClusterError
-from specserve.config import parse_config, revision_of
-from specserve.local_config import LocalConfig
+from specserve.config.cluster_store import ClusterError
+from specserve.config.local_store import LocalConfig
+from specserve.config.schema import parse_config, revision_of
 from tests.conftest import render_config
 
 T0 = datetime(2026, 11, 26, 9, 0, tzinfo=UTC)

@@ -1,5 +1,5 @@
 """`specserve loop` (loop.py): the revisions it writes, and what it does on each verdict. The
-revisions go through the local config history (local_config.py), a real file; the experiment's
+revisions go through the local config history (config/local_store.py), a real file; the experiment's
 readings are scripted here (Prometheus and the report's arithmetic are tested live and in
 tests/unit/test_ab*.py)."""
 
@@ -20,8 +20,8 @@ import yaml
 from specserve import loop
 from specserve.ab.prometheus import PrometheusError
 from specserve.ab.report import KEEP_TESTING, PROMOTE, ROLL_BACK
-from specserve.config import parse_config, revision_of
-from specserve.local_config import LocalConfig
+from specserve.config.local_store import LocalConfig
+from specserve.config.schema import parse_config, revision_of
 
 DEFAULT = Path(loop.__file__).parent / "configs" / "default.yaml"
 CANDIDATE = Path("/drafters/eagle3.1-0123456789ab")

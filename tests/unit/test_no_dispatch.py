@@ -10,9 +10,9 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from specserve.config.serve_config import PROXY_HOOK_ENV, router_application
+from specserve.config.settings import Settings
 from specserve.deploy import DeployError, Platform
-from specserve.serve_config import PROXY_HOOK_ENV, router_application
-from specserve.settings import Settings
 from tests.conftest import MODEL, free_port, own_ray_cluster, render_config
 
 pytestmark = pytest.mark.own_cluster

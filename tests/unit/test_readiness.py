@@ -1,4 +1,4 @@
-from specserve.config import parse_config
+from specserve.config.schema import parse_config
 from specserve.readiness import Readiness, readiness
 
 CONFIG = parse_config(

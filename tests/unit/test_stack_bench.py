@@ -18,7 +18,7 @@ from specserve.bench.stack_overhead import (
     write_config,
 )
 from specserve.bench.stack_profile import OTHER_PART, part_of, read_parts
-from specserve.config import load_config
+from specserve.config.schema import load_config
 
 
 @pytest.mark.parametrize("kind, arms", [("one-arm", 1), ("default", 4)])

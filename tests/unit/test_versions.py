@@ -141,8 +141,8 @@ def test_the_vllm_fixes_refuse_to_patch_another_vllm(monkeypatch):
 def platform(tmp_path, fresh_serve_process):
     """A local platform, not started, on free ports, in a process that looks fresh to
     `specserve serve`."""
+    from specserve.config.settings import Settings
     from specserve.deploy import Platform
-    from specserve.settings import Settings
     from tests.conftest import free_port, render_config
 
     config = tmp_path / "config.yaml"

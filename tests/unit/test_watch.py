@@ -2,7 +2,7 @@ import os
 from types import SimpleNamespace
 
 from specserve import settle
-from specserve.config import load_config
+from specserve.config.schema import load_config
 from specserve.metrics import RELOAD_APPLIED, RELOAD_INVALID
 from specserve.watch import ConfigWatcher
 

@@ -1,4 +1,4 @@
-{{- /* Generated from service/specserve/config.py by `make generate` (helm/generate.py); do not edit. */}}
+{{- /* Generated from service/specserve/config/schema.py by `make generate` (helm/generate.py); do not edit. */}}
 {{- define "specserve.notEngineArgs" -}}
 capture max_ongoing_requests max_queued_requests max_surge_percent replicas weight
 {{- end }}

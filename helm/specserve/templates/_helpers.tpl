@@ -197,14 +197,14 @@ unset, as in config.py). */}}
 same document from the same router config; a test keeps the two equal. */}}
 {{- define "specserve.serveConfig" -}}
 {{- $routerArgs := dict "config_path" "/etc/specserve/config.yaml" "config_poll_s" .Values.router.configPollSeconds "replicas" .Values.router.replicas }}
-{{- /* The key files of the mounted Secret (serve_config.py's MOUNTED_KEYS_DIR): the dispatch in
+{{- /* The key files of the mounted Secret (config/serve_config.py's MOUNTED_KEYS_DIR): the dispatch in
 every HTTP proxy reads them and re-reads them when kubelet updates the mount. */}}
 {{- if .Values.apiKeys.enabled }}
 {{- $_ := set $routerArgs "api_keys_file" "/etc/specserve/keys/api-keys" }}
 {{- $_ := set $routerArgs "admin_keys_file" "/etc/specserve/keys/admin-keys" }}
 {{- $_ := set $routerArgs "sticky_salt_file" "/etc/specserve/keys/sticky-salt" }}
 {{- end }}
-{{- /* The router replica asks for no CPU (serve_config.py's ROUTER_NUM_CPUS): it only answers
+{{- /* The router replica asks for no CPU (config/serve_config.py's ROUTER_NUM_CPUS): it only answers
 /ready, /v1/models and /openapi.json, and the head, where it may land, offers no CPUs. */}}
 {{- $routerDeployment := dict "name" "router" "ray_actor_options" (dict "num_cpus" 0) }}
 {{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs "deployments" (list $routerDeployment) }}

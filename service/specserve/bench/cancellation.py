@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     os.environ.setdefault("RAY_metrics_report_interval_ms", str(EXPORT_INTERVAL_MS))
+    from specserve.config.settings import get_settings
     from specserve.deploy import Platform
-    from specserve.settings import get_settings
 
     settings = get_settings()
     platform = Platform(settings)

@@ -86,7 +86,7 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter

@@ -215,9 +215,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.config.settings import get_settings
     from specserve.drafter.pipeline import _isolated
     from specserve.models import prepare_model, resolve_drafter_source
-    from specserve.settings import get_settings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True, help="the file serve runs from")

@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from specserve.config import ArmEngineConfig, ModelConfig
+from specserve.config.schema import ArmEngineConfig, ModelConfig
 from specserve.k_schedule import RoundCosts
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -44,7 +44,7 @@ def in_process_engine(
     """An arm of a config file set up to run as an in-process vLLM engine here, as its replicas
     run it: its environment set in this process (before vLLM loads specserve's plugin) and the
     engine core kept in this process, to time and switch. -> (model, arm, engine arguments)."""
-    from specserve.config import load_config
+    from specserve.config.schema import load_config
     from specserve.engine.arm import engine_env, engine_kwargs
 
     config = load_config(config_path).config
@@ -198,7 +198,7 @@ def markdown(costs: RoundCosts) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         result = worker(args.worker, config_path, args.batch_sizes, args.repeats, args.tokens)
         print(json.dumps(result))
         return 0
-    from specserve.config import load_config
+    from specserve.config.schema import load_config
 
     config = load_config(config_path).config
     arms = args.arms or [a.name for a in config.arms if a.speculative.method != "none"]

@@ -19,8 +19,8 @@ import httpx
 from tqdm import tqdm
 
 from specserve import headers
+from specserve.config.serve_config import ARM_ROUTE_PREFIX
 from specserve.engine.front import VLLM_APP_PREFIX
-from specserve.serve_config import ARM_ROUTE_PREFIX
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     os.environ["SPECSERVE_EXPOSE_ARMS"] = "1"
+    from specserve.config.settings import get_settings
     from specserve.deploy import Platform
-    from specserve.settings import get_settings
 
     settings = get_settings()
     platform = Platform(settings)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from specserve import headers
 from specserve.bootstrap import paired_interval
+from specserve.config.settings import get_settings
 from specserve.metrics import (
     ARM,
     EXPORT_PREFIX,
@@ -42,7 +43,6 @@ from specserve.metrics import (
     SPEC_DRAFTS,
     scrape,
 )
-from specserve.settings import get_settings
 
 # Where OpenAI's clients, and vLLM's serving benchmark, read the API key from.
 API_KEY_ENV = "OPENAI_API_KEY"

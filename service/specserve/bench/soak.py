@@ -41,7 +41,7 @@ import psutil
 from tqdm import tqdm
 
 from specserve import headers
-from specserve.serve_config import ARM_NAME_ENV, arm_app_name
+from specserve.config.serve_config import ARM_NAME_ENV, arm_app_name
 
 # A failure on the killed arm that started this long after the kill is still the kill's: the
 # router learns within about a second that the arm has no replica, Ray Serve within a few.
@@ -485,8 +485,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.config.settings import get_settings
     from specserve.deploy import Platform, ray_session_dir
-    from specserve.settings import get_settings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(parser)

@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from specserve import headers
 from specserve.bench.router_overhead import percentile
+from specserve.config.settings import DEFAULT_CONFIG_PATH
 from specserve.hardware import cpu_flags, fast_dtype
-from specserve.settings import DEFAULT_CONFIG_PATH
 
 ARM = "no-spec"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
-    from specserve.config import load_config
+    from specserve.config.schema import load_config
     from specserve.models import prepare_model, resolve_model_source
 
     variants = [("as shipped", {}), *(parse_variant(v) for v in args.variant)]

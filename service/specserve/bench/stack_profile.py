@@ -41,8 +41,8 @@ from specserve.bench.stack_overhead import (
     stream,
     write_config,
 )
-from specserve.serve_config import ARM_APP_PREFIX, ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME
-from specserve.settings import DEFAULT_CONFIG_PATH
+from specserve.config.serve_config import ARM_APP_PREFIX, ROUTER_APP_NAME, ROUTER_DEPLOYMENT_NAME
+from specserve.config.settings import DEFAULT_CONFIG_PATH
 
 # A process's role on the path, by its command line (first match). vLLM's CPU engine runs in two
 # processes: the engine core (scheduling, output) and its worker (the forward passes).
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="keep the raw profiles and results here")
     args = parser.parse_args(argv)
 
-    from specserve.config import load_config
+    from specserve.config.schema import load_config
     from specserve.models import prepare_model, resolve_model_source
 
     model = load_config(DEFAULT_CONFIG_PATH).config.model

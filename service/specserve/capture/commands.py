@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     directory = args.dir or get_settings().capture_path()
     if args.capture_command == "stats":

@@ -468,7 +468,7 @@ def parse_budget(text: str) -> tuple[str, float]:
 
 def build_command(args: argparse.Namespace, target: str) -> int:
     """`drafter build --budget gpu-10min`: the torch-only build within a time budget."""
-    from specserve.settings import get_settings
+    from specserve.config.settings import get_settings
 
     try:
         device, minutes = parse_budget(args.budget)

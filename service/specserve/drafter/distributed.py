@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configured_target() -> str:
-    from specserve.config import load_config
+    from specserve.config.schema import load_config
+    from specserve.config.settings import get_settings
     from specserve.models import prepare_model
-    from specserve.settings import get_settings
 
     return prepare_model(load_config(get_settings().config).config.model.source)
 

@@ -281,11 +281,11 @@ def built_records(work: Path | None = None) -> tuple[Path, str, list[dict], list
     input); hidden states are captured where missing, as the build does."""
     from transformers import AutoConfig
 
+    from specserve.config.settings import get_settings
     from specserve.drafter.data import capture_features
     from specserve.drafter.model import DrafterConfig
     from specserve.drafter.train import load_records
     from specserve.models import resolve_model_source
-    from specserve.settings import get_settings
 
     work = work or get_settings().cache_dir / "drafters"
     if not (work / "answers.jsonl").exists():

@@ -14,18 +14,18 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from specserve.config import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
-from specserve.engine import vllm_fixes
-from specserve.engine.front import ArmServer
-from specserve.hardware import fast_dtype
-from specserve.models import resolve_drafter_source, resolve_model_source
-from specserve.serve_config import (
+from specserve.config.schema import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
+from specserve.config.serve_config import (
     ARM_ARG,
     ARM_NAME_ENV,
     EXPOSE_HTTP_ARG,
     MODEL_ARG,
     arm_app_name,
 )
+from specserve.engine import vllm_fixes
+from specserve.engine.front import ArmServer
+from specserve.hardware import fast_dtype
+from specserve.models import resolve_drafter_source, resolve_model_source
 from specserve.wire.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
 
 # Engine defaults for every arm; the arm's own `engine` settings win.
@@ -40,7 +40,7 @@ def deployment_config(arm: ArmEngineConfig) -> dict[str, Any]:
     replica takes what it can batch; the excess waits in each HTTP proxy's queue for the arm,
     and beyond that is refused at once instead of waiting without bound. The builder's args
     leave out the replica and queue settings the config sets: those reach Ray Serve as options
-    of the deployment in the Serve config (serve_config.py) and win over these defaults."""
+    of the deployment in the Serve config (config/serve_config.py) and win over these defaults."""
     return {
         "num_replicas": arm.replicas,
         "max_ongoing_requests": arm.ongoing_per_replica(),

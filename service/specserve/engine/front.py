@@ -27,8 +27,8 @@ from ray.serve.llm import LLMConfig, LLMServer
 from specserve import headers
 from specserve.capture.store import Bounds, CaptureWriter
 from specserve.capture.tap import Tap, sampling_of
+from specserve.config.settings import get_settings
 from specserve.metrics import CaptureMetrics
-from specserve.settings import get_settings
 from specserve.wire.arm_calls import serve_app
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,

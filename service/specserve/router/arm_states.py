@@ -16,15 +16,15 @@ import ray
 from ray.experimental import internal_kv
 from ray.serve.context import _get_global_client
 
-from specserve.node_drain import DRAIN_KV_NAMESPACE, drain_key
-from specserve.readiness import RUNNING
-from specserve.serve_config import (
+from specserve.config.serve_config import (
     DRAINING,
     EXPOSE_HTTP_ARG,
     ROUTER_APP_NAME,
     ROUTER_DEPLOYMENT_NAME,
     arm_name_of_app,
 )
+from specserve.node_drain import DRAIN_KV_NAMESPACE, drain_key
+from specserve.readiness import RUNNING
 
 DEPLOYING = "DEPLOYING"
 # How often the dispatch asks Ray Serve which arms run.

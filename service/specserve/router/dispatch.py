@@ -43,8 +43,22 @@ from starlette.middleware import Middleware
 
 from specserve import headers, versions
 from specserve.capture.store import Bounds
-from specserve.config import ConfigError, LimitsConfig, LoadedConfig, RouterConfig, load_config
-from specserve.config_checks import check_engine_settings
+from specserve.config.checks import check_engine_settings
+from specserve.config.schema import (
+    ConfigError,
+    LimitsConfig,
+    LoadedConfig,
+    RouterConfig,
+    load_config,
+)
+from specserve.config.serve_config import (
+    ADMIN_KEYS_FILE_ARG,
+    API_KEYS_FILE_ARG,
+    ARM_ROUTE_PREFIX,
+    CONFIG_PATH_ARG,
+    CONFIG_POLL_S_ARG,
+    STICKY_SALT_FILE_ARG,
+)
 from specserve.metrics import (
     AUTH_ACCEPTED,
     AUTH_FORBIDDEN,
@@ -75,14 +89,6 @@ from specserve.router.selection import (
     UnknownArmError,
     choose_arm,
     load_salt,
-)
-from specserve.serve_config import (
-    ADMIN_KEYS_FILE_ARG,
-    API_KEYS_FILE_ARG,
-    ARM_ROUTE_PREFIX,
-    CONFIG_PATH_ARG,
-    CONFIG_POLL_S_ARG,
-    STICKY_SALT_FILE_ARG,
 )
 from specserve.watch import ConfigWatcher
 from specserve.wire.arm_calls import ArmCalls, ASGIApp, Receive, Scope, Send

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from specserve.config import GuardrailConfig
+from specserve.config.schema import GuardrailConfig
 
 logger = logging.getLogger(__name__)
 

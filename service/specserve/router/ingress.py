@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.deployment import Application
 
-from specserve.config import LoadedConfig, RouterConfig, load_config
-from specserve.readiness import Readiness
-from specserve.serve_config import (
+from specserve.config.schema import LoadedConfig, RouterConfig, load_config
+from specserve.config.serve_config import (
     CONFIG_PATH_ARG,
     CONFIG_POLL_S_ARG,
     PROXY_HOOK,
@@ -29,6 +28,7 @@ from specserve.serve_config import (
     ROUTER_DEPLOYMENT_NAME,
     ROUTER_REPLICAS_ARG,
 )
+from specserve.readiness import Readiness
 from specserve.watch import ConfigWatcher
 from specserve.wire.errors import OpenAIError, install_error_handlers
 from specserve.wire.openapi import openapi_document

@@ -34,7 +34,7 @@ from ray.serve._private.http_util import (
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specserve import headers
-from specserve.serve_config import ARM_ROUTE_PREFIX, arm_app_name
+from specserve.config.serve_config import ARM_ROUTE_PREFIX, arm_app_name
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

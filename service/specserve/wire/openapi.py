@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from specserve import headers
-from specserve.config import LoadedConfig, RouterConfig
+from specserve.config.schema import LoadedConfig, RouterConfig
 
 REF = "#/components/schemas/{model}"
 ERROR = "ErrorResponse"

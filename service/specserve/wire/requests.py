@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from specserve.config import RouterConfig
+from specserve.config.schema import RouterConfig
 from specserve.wire.errors import OpenAIError
 
 CHAT, COMPLETIONS = "chat", "completions"

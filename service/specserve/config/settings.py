@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
+DEFAULT_CONFIG_PATH = Path(__file__).parents[1] / "configs" / "default.yaml"
 ENV_PREFIX = "SPECSERVE_"
 # Read by the arms' engine replicas, in processes Ray starts: a local cluster inherits it.
 CAPTURE_DIR_ENV = f"{ENV_PREFIX}CAPTURE_DIR"

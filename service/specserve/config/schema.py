@@ -24,8 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from specserve import config_policy, headers, k_schedule
+from specserve import headers, k_schedule
 from specserve.capture.store import DEFAULT_MAX_BYTES
+from specserve.config import policy as config_policy
 
 # The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
 # this long at most for its requests, each of which its own timeout ends sooner.

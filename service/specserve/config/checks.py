@@ -18,7 +18,7 @@ from argparse import Action, ArgumentParser, BooleanOptionalAction
 from pathlib import Path
 from typing import Any
 
-from specserve.config import PACKAGE_SCHEME, ConfigError, RouterConfig
+from specserve.config.schema import PACKAGE_SCHEME, ConfigError, RouterConfig
 from specserve.models import ModelError, resolve_drafter_source
 
 

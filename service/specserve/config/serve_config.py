@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.config import ArmConfig, RouterConfig
+from specserve.config.schema import ArmConfig, RouterConfig
 
 ROUTER_APP_NAME = "specserve"
 # A stopping platform gives the requests in flight this long to finish, streams included, while

@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from specserve.config import (
+from specserve.config.schema import (
     DEPLOYMENT_OPTIONS,
     ArmChange,
     ArmEngineConfig,
@@ -54,7 +54,7 @@ from specserve.config import (
     parse_config,
     revision_of,
 )
-from specserve.serve_config import (
+from specserve.config.serve_config import (
     ARM_APP_PREFIX,
     ARM_ARG,
     EXPOSE_HTTP_ARG,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from specserve.cluster_config import (
+from specserve.config.cluster_store import (
     DEFAULT_KEEP,
     Record,
     history_table,
@@ -25,7 +25,7 @@ from specserve.cluster_config import (
     records_to_prune,
     resolve_revision,
 )
-from specserve.config import ConfigError, RouterConfig, parse_config, revision_of
+from specserve.config.schema import ConfigError, RouterConfig, parse_config, revision_of
 
 
 @dataclass(frozen=True)

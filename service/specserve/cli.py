@@ -9,23 +9,22 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specserve.config.changes import diff_configs
 from specserve.config.checks import check_engine_settings
-from specserve.config.cluster_store import DEFAULT_KEEP
 from specserve.config.schema import (
     ArmConfig,
     ConfigError,
     NoSpeculation,
     RouterConfig,
-    arm_changes,
     load_config,
     parse_config,
     read_config_file,
     revision_of,
 )
+from specserve.config.store import DEFAULT_KEEP, ConfigStore, StoreError
 
 if TYPE_CHECKING:
     from specserve.drafter.adapt import AdaptConfig
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(document, sort_keys=False), end="")
             return 0
         if args.command == "config" and args.config_command in ("apply", "history", "rollback"):
-            return _local_config(args) if args.local else _cluster_config(args)
+            return _config_command(args)
         if args.command == "drain-node":
             from specserve.node_drain import drain_node
 
@@ -360,81 +359,36 @@ def main(argv: list[str] | None = None) -> int:
             return capture_commands.run(args)
         if args.command == "drafter":
             return _drafter(args)
-    except ConfigError as exc:
+    except (ConfigError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     parser.error("unknown command")
     return 2
 
 
-def diff_configs(a: RouterConfig, b: RouterConfig) -> list[str]:
-    """Human-readable changes, each saying whether it applies live or redeploys an arm; arms
-    classified as `config apply` classifies them (`config.arm_changes`)."""
-    lines = []
-    for section in ("routing", "limits"):
-        old, new = getattr(a, section).model_dump(), getattr(b, section).model_dump()
-        for key in sorted(old):
-            if old[key] != new[key]:
-                lines.append(f"  {section}.{key}: {old[key]!r} -> {new[key]!r} (live)")
-    if a.model != b.model:
-        lines.append(f"  model: {a.model.model_dump()} -> {b.model.model_dump()} (redeploys all)")
-    changes = sorted(arm_changes(a, b), key=lambda change: change.name)
-    weights = {arm.name: arm.weight for arm in b.arms}
-    for change in changes:
-        if change.kind == "removed":
-            lines.append(f"- arm {change.name} (removed; its engine is deleted)")
-    for change in changes:
-        if change.kind == "added":
-            lines.append(f"+ arm {change.name} weight {weights[change.name]:g} (new engine)")
-    for change in changes:
-        name = change.name
-        if change.weight is not None:
-            old_weight, new_weight = change.weight
-            lines.append(f"~ arm {name} weight {old_weight:g} -> {new_weight:g} (live)")
-        engine = [key for key in change.restart if key != "model"]
-        if engine:
-            lines.append(f"~ arm {name} {', '.join(engine)} changed (redeploys this arm)")
-        if "capture" in change.in_place:
-            lines.append(f"~ arm {name} capture changed (live)")
-        engines = [key for key in change.in_place if key != "capture"]
-        if engines:
-            lines.append(
-                f"~ arm {name} {', '.join(engines)} changed (applied to the running engines)"
-            )
-    return lines
+def _store(args: argparse.Namespace, check: str | None = None) -> ConfigStore:
+    """The live config's store: the local file (`--local`) or a release on Kubernetes. With
+    `check`, every config applied through it is checked with vLLM's own argument parser first,
+    and named so in an error."""
+    from functools import partial
 
-
-def _config_store(
-    args: argparse.Namespace, what: str
-) -> tuple[Callable[[], str], Callable[[str, RouterConfig], str]]:
-    """The live config's text and a way to apply a new revision (-> its revision), of the
-    local file (`--local`) or a release on Kubernetes; what is applied is checked with vLLM's
-    own argument parser first."""
-    from specserve.config import cluster_store as cluster_config
-
+    checked = None if check is None else partial(check_engine_settings, source=check)
     if args.local:
-        from specserve.config.local_store import LocalConfig
+        from specserve.config.local_store import LocalStore
 
-        local = LocalConfig(_config_path(None) if args.local == _CONFIGURED else args.local)
+        path = _config_path(None) if args.local == _CONFIGURED else args.local
+        if not path.is_file():
+            raise StoreError(f"{path}: no config file there (--local FILE, or $SPECSERVE_CONFIG)")
+        return LocalStore(path, check=checked)
+    from specserve.config.cluster_store import Cluster, ClusterStore
 
-        def apply_local(text: str, config: RouterConfig) -> str:
-            check_engine_settings(config, source=what)
-            return local.apply(text, config).new_revision
-
-        return local.live_text, apply_local
-
-    cluster = cluster_config.Cluster.connect(
+    cluster = Cluster.connect(
         release=args.release,
         namespace=args.namespace,
         context=args.context,
         kubeconfig=args.kubeconfig,
     )
-
-    def apply_cluster(text: str, config: RouterConfig) -> str:
-        check_engine_settings(config, source=what)
-        return cluster_config.apply(cluster, text, config).new_revision
-
-    return (lambda: cluster_config.live_text(cluster)), apply_cluster
+    return ClusterStore(cluster, check=checked)
 
 
 def _positive_int(text: str) -> int:
@@ -455,93 +409,27 @@ def _validated(path: Path) -> tuple[str, RouterConfig]:
         raise ConfigError(f"{path}: not UTF-8 text, which a ConfigMap needs") from None
 
 
-def _print_switch(args: argparse.Namespace, where: str, outcome) -> bool:  # noqa: ANN001
-    """Say what an apply or a rollback changed (an Outcome or a LocalOutcome); -> changed."""
+def _config_command(args: argparse.Namespace) -> int:
+    """`config apply | history | rollback`, on the local file (`--local`) or a release."""
+    if args.config_command == "apply":
+        # Validated before anything talks to the store: a bad file never gets there.
+        text, config = _validated(args.file)
+    store = _store(args)
+    if args.config_command == "history":
+        print("\n".join(store.history()))
+        return 0
+    if args.config_command == "apply":
+        outcome = store.apply(text, config, keep=args.keep)
+    else:
+        outcome = store.rollback(args.to)
     if not outcome.changed:
-        print(f"revision {outcome.new_revision} is already live in {where}; nothing to do")
-        return False
+        print(f"revision {outcome.new_revision} is already live in {outcome.where}; nothing to do")
+        return 0
     verb = "applied" if args.config_command == "apply" else "rolled back"
-    print(f"{verb}: {where}: revision {outcome.old_revision} -> {outcome.new_revision}")
+    print(f"{verb}: {outcome.where}: revision {outcome.old_revision} -> {outcome.new_revision}")
     if outcome.old_config is not None:
         print("\n".join(diff_configs(outcome.old_config, outcome.new_config)) or "  no changes")
-    return True
-
-
-def _local_config(args: argparse.Namespace) -> int:
-    """`config apply | history | rollback --local`: the file `specserve serve` runs from."""
-    from specserve.config import cluster_store as cluster_config
-    from specserve.config.local_store import LocalConfig
-
-    path = _config_path(None) if args.local == _CONFIGURED else args.local
-    if not path.is_file():
-        print(
-            f"error: {path}: no config file there (--local FILE, or $SPECSERVE_CONFIG)",
-            file=sys.stderr,
-        )
-        return 2
-    local = LocalConfig(path)
-    try:
-        if args.config_command == "history":
-            print("\n".join(local.history()))
-            return 0
-        if args.config_command == "apply":
-            text, config = _validated(args.file)
-            outcome = local.apply(text, config, keep=args.keep)
-        else:
-            outcome = local.rollback(args.to)
-    except cluster_config.ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not _print_switch(args, str(path), outcome):
-        return 0
-    print("live: a running `specserve serve` applies it within a second (arms included)")
-    if outcome.pruned:
-        print(f"history: deleted {', '.join(outcome.pruned)} (keeping {args.keep})")
-    return 0
-
-
-def _cluster_config(args: argparse.Namespace) -> int:
-    """`config apply | history | rollback` against a release on Kubernetes."""
-    from specserve.config import cluster_store as cluster_config
-
-    try:
-        if args.config_command == "apply":
-            # Validated before anything talks to the cluster: a bad file never gets there.
-            text, config = _validated(args.file)
-        cluster = cluster_config.Cluster.connect(
-            release=args.release,
-            namespace=args.namespace,
-            context=args.context,
-            kubeconfig=args.kubeconfig,
-        )
-        if args.config_command == "history":
-            print("\n".join(cluster_config.history(cluster)))
-            return 0
-        if args.config_command == "apply":
-            outcome = cluster_config.apply(cluster, text, config, keep=args.keep)
-        else:
-            outcome = cluster_config.rollback(cluster, args.to)
-    except cluster_config.ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    where = f"ConfigMap {outcome.configmap} (namespace {cluster.namespace})"
-    if not _print_switch(args, where, outcome):
-        return 0
-    if outcome.old_revision != outcome.new_revision:
-        print(
-            "live: the routers serve the new revision without restart once the kubelet has "
-            "updated the mounted file (about a minute)"
-        )
-    arms = outcome.arms
-    if arms:
-        what = [f"redeploys {', '.join(arms.redeployed)}"] if arms.redeployed else []
-        what += [f"rescales {', '.join(arms.rescaled)} in place"] if arms.rescaled else []
-        what += [f"deletes {', '.join(arms.removed)}"] if arms.removed else []
-        print(
-            f"RayService {outcome.rayservice}: serveConfigV2 patched; Ray Serve {'; '.join(what)}"
-        )
-    else:
-        print(f"RayService {outcome.rayservice}: no arm engine changed, nothing redeploys")
+    print("\n".join(store.notes(outcome)))
     if outcome.pruned:
         print(f"history: deleted {', '.join(outcome.pruned)} (keeping {args.keep})")
     return 0
@@ -567,23 +455,23 @@ def _loop(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: a loop needs {' and '.join(missing)}", file=sys.stderr)
         return 2
-    live_text, apply = _config_store(args, "the loop's revision")
+    store = _store(args, check="the loop's revision")
     try:
-        stale = record.claim(args.incumbent, revision_of(live_text().encode()))
+        stale = record.claim(args.incumbent, revision_of(store.live_text().encode()))
         if stale is not None:
-            loop.remove_left_behind(stale, live_text, apply)
+            loop.remove_left_behind(stale, store)
     except loop.LoopError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     outcome = loop.ABORTED
     try:
-        code, outcome = _run_loop(args, live_text, apply, record)
+        code, outcome = _run_loop(args, store, record)
         return code
     finally:
         record.finish(outcome)
 
 
-def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN001
+def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN001
     """The loop's steps (loop.py's docstring); -> (exit code, outcome)."""
     import yaml
 
@@ -604,7 +492,7 @@ def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN00
         from specserve.drafter.adapt import adapt
         from specserve.models import prepare_model
 
-        live = parse_config(live_text().encode(), source="the live config")
+        live = parse_config(store.live_text().encode(), source="the live config")
         incumbent = next((a for a in live.arms if a.name == args.incumbent), None)
         if incumbent is None or not isinstance(incumbent.speculative, Eagle3Speculation):
             print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
@@ -627,7 +515,7 @@ def _run_loop(args, live_text, apply, record) -> tuple[int, str]:  # noqa: ANN00
 
     signal.signal(signal.SIGTERM, _terminated)
     try:
-        report = loop.Loop(config, live_text, apply, experiment).run(candidate.resolve())
+        report = loop.Loop(config, store, experiment).run(candidate.resolve())
     except loop.LoopError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2, loop.ABORTED
@@ -677,8 +565,7 @@ def _loop_abort(args: argparse.Namespace, record) -> int:  # noqa: ANN001
             return 1
         print(f"stopped the loop (pid {running['pid']}); it took its challenger out")
         return 0
-    live_text, apply = _config_store(args, "the loop's abort")
-    revision = loop.remove_left_behind(running, live_text, apply)
+    revision = loop.remove_left_behind(running, _store(args, check="the loop's abort"))
     record.finish(loop.ABORTED)
     if revision is None:
         print(f"the loop (pid {running['pid']}) had stopped; nothing of it serves")
@@ -693,7 +580,7 @@ def _loop_undo(args: argparse.Namespace, record) -> int:  # noqa: ANN001
         return 2
     args.config_command, args.to, args.keep = "rollback", last["revision_before"], None
     print(f"the loop of {last['incumbent']} ended: {last.get('outcome')}; rolling back")
-    return _local_config(args) if args.local else _cluster_config(args)
+    return _config_command(args)
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -708,8 +595,7 @@ def _tune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    live_text, apply = _config_store(args, "the tuned revision")
-    return tune.run(args, live_text, apply)
+    return tune.run(args, _store(args, check="the tuned revision"))
 
 
 def _drafter(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from specserve.config.serve_config import (
 from specserve.config.settings import CAPTURE_DIR_ENV, Settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
-from specserve.readiness import RUNNING, Readiness
+from specserve.readiness import Readiness, running
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
@@ -277,10 +277,10 @@ class Platform:
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:
                 raise DeployError(f"deployment failed: {failed}")
-            found = self._readiness() if RUNNING in statuses.values() else None
+            found = self._readiness() if any(map(running, statuses.values())) else None
             if found is not None and not found.dispatch:  # the proxies cannot route: never
                 raise DeployError(found.error or "no dispatch in the HTTP proxies")
-            if all(status == RUNNING for status in statuses.values()) and found and found.ready:
+            if all(map(running, statuses.values())) and found and found.ready:
                 return
             if time.monotonic() > deadline:
                 raise DeployError(f"not running after {timeout_s:g} s: {statuses}")

@@ -39,6 +39,7 @@ import yaml
 from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config.schema import RouterConfig, parse_config
+from specserve.config.store import ConfigStore
 
 PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
     "promoted",
@@ -184,21 +185,19 @@ class Experiment:
 
 
 class Loop:
-    """Steps 2-4 of the module docstring. `apply` makes a config revision live and returns its
-    revision; `live_text` reads the live config."""
+    """Steps 2-4 of the module docstring, each step a revision applied to `store`."""
 
     def __init__(
         self,
         config: LoopConfig,
-        live_text: Callable[[], str],
-        apply: Callable[[str, RouterConfig], str],
+        store: ConfigStore,
         experiment: Experiment,
         *,
         log: Callable[[str], None] = print,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.config, self.live_text, self.apply = config, live_text, apply
+        self.config, self.store = config, store
         self.experiment, self.log, self.sleep, self.clock = experiment, log, sleep, clock
         self.steps: list[Step] = []
         self.rows: list[dict[str, Any]] = []
@@ -210,7 +209,7 @@ class Loop:
         first, so nothing is left serving unwatched; then the error goes on."""
         c = self.config
         text, routed, challenger = with_challenger(
-            self.live_text(), c.incumbent, candidate, c.share
+            self.store.live_text(), c.incumbent, candidate, c.share
         )
         try:
             self._step(f"challenger {challenger} added", text, routed)
@@ -224,7 +223,7 @@ class Loop:
         """Take the challenger out of the live config, if it is there, after `exc` stopped
         the loop; a failure to do so is logged beside the error that stopped it."""
         try:
-            live = self.live_text()
+            live = self.store.live_text()
             if challenger not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
                 return
             self.log(f"stopped by {type(exc).__name__}: removing challenger {challenger}")
@@ -284,18 +283,18 @@ class Loop:
             return 0.0
 
     def _step(self, what: str, text: str, routed: RouterConfig) -> None:
-        self.steps.append(Step(what, self.apply(text, routed)))
+        self.steps.append(Step(what, self.store.apply(text, routed).new_revision))
         self.log(f"revision {self.steps[-1].revision}: {what}")
 
     def _end(self, challenger: str, outcome: str, reason: str) -> dict[str, Any]:
         incumbent = self.config.incumbent
         if outcome == PROMOTED:
-            text, routed = promoted(self.live_text(), incumbent, challenger)
+            text, routed = promoted(self.store.live_text(), incumbent, challenger)
             self._step(
                 f"{incumbent} takes {challenger}'s drafter; {challenger} removed", text, routed
             )
         else:
-            text, routed = without(self.live_text(), challenger, incumbent)
+            text, routed = without(self.store.live_text(), challenger, incumbent)
             self._step(f"challenger {challenger} removed: {outcome}", text, routed)
         self._ended = True
         return {
@@ -405,18 +404,17 @@ class RunRecord:
 
 def remove_left_behind(
     record: dict[str, Any],
-    live_text: Callable[[], str],
-    apply: Callable[[str, RouterConfig], str],
+    store: ConfigStore,
     log: Callable[[str], None] = print,
 ) -> str | None:
     """Take out the challenger of a loop that stopped without cleaning up, if it still serves;
     -> the revision that removed it."""
     name = record.get("challenger")
-    live = live_text()
+    live = store.live_text()
     if not name or name not in {arm.get("name") for arm in _arms(yaml.safe_load(live))}:
         return None
     text, routed = without(live, name, record.get("incumbent", ""))
-    revision = apply(text, routed)
+    revision = store.apply(text, routed).new_revision
     log(
         f"revision {revision}: challenger {name} removed, left by a loop that stopped without "
         f"cleaning up (pid {record.get('pid')} on {record.get('host')})"

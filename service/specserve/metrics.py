@@ -298,7 +298,10 @@ class RouterMetrics:
             (*arm, BATCH_SIZES),
         )
         self.arm_running = Gauge(
-            ARM_RUNNING, "1 while the arm's engine application is RUNNING, else 0.", arm
+            ARM_RUNNING,
+            "1 while the arm takes traffic (its engine application RUNNING, or redeploying while "
+            "its old replicas serve), else 0.",
+            arm,
         )
         self.arm_drained = Gauge(
             ARM_DRAINED,

@@ -1,7 +1,17 @@
-"""The platform's readiness, defined once: every arm with weight > 0 running, and nothing
-draining. The router's `GET /ready` answers with it (router/dispatch.py, and the router itself
-when no dispatch runs in the proxy, router/ingress.py), and `specserve serve` reads that answer
-back while it waits for start-up (deploy.py)."""
+"""What an arm's Ray Serve application state means, defined once, and the platform's readiness.
+
+Two words, each with one definition here:
+- *running* (`running`): Ray Serve reports the arm's application RUNNING, every deployment at
+  its target version and healthy. Readiness asks for it: `/ready` says the platform serves the
+  config it loaded as written, so an arm being rebuilt or rescaled keeps it unready.
+- *routable* (`routable`): the arm may take traffic: running, or DEPLOYING a new version while
+  the old replicas still serve. The dispatch routes by it (router/arm_states.py), so a redeploy
+  never takes an arm's traffic away.
+
+Readiness: every arm with weight > 0 running, and nothing draining. The router's `GET /ready`
+answers with it (router/dispatch.py, and the router itself when no dispatch runs in the proxy,
+router/ingress.py), and `specserve serve` reads that answer back while it waits for start-up
+(deploy.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +21,34 @@ from typing import Any
 
 from specserve.config.schema import RouterConfig
 
-# Ray Serve's application status of a serving arm; an arm Ray Serve does not list is reported
-# as NOT_DEPLOYED.
+# Ray Serve's application and replica states; an arm Ray Serve does not list is reported as
+# NOT_DEPLOYED.
 RUNNING = "RUNNING"
+DEPLOYING = "DEPLOYING"
 NOT_DEPLOYED = "NOT_DEPLOYED"
+
+
+def state(value: Any) -> str:
+    return str(getattr(value, "value", value))  # Serve's state enums, or their text
+
+
+def running(status: Any) -> bool:
+    """Whether an application (or replica) status is RUNNING."""
+    return state(status) == RUNNING
+
+
+def routable(app: dict[str, Any], *, was_running: bool = False) -> bool:
+    """An arm takes traffic while every deployment of its application has a running replica:
+    RUNNING, or DEPLOYING a new version while the old replicas still serve. While Ray Serve
+    builds a changed application again (its builder runs: DEPLOYING, no deployments listed,
+    ~20 s for an arm), the old replicas serve on: the arm keeps the state it had. `app` is the
+    application's details as Serve's REST API gives them."""
+    if running(app.get("status")):
+        return True
+    deployments = (app.get("deployments") or {}).values()
+    if not deployments:
+        return was_running and state(app.get("status")) == DEPLOYING
+    return all(any(running(r.get("state")) for r in d.get("replicas") or ()) for d in deployments)
 
 
 @dataclass(frozen=True)
@@ -67,6 +101,6 @@ def readiness(
     waiting = {
         arm.name: statuses.get(arm.name, NOT_DEPLOYED)
         for arm in (config.arms if config is not None else ())
-        if arm.weight > 0 and statuses.get(arm.name) != RUNNING
+        if arm.weight > 0 and not running(statuses.get(arm.name))
     }
     return Readiness(revision if config is not None else None, waiting, draining)

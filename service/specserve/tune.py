@@ -33,7 +33,9 @@ from typing import Any
 import yaml
 
 from specserve import k_schedule
-from specserve.config.schema import RouterConfig, arm_changes, parse_config
+from specserve.config.changes import arm_changes
+from specserve.config.schema import RouterConfig, parse_config
+from specserve.config.store import ConfigStore
 
 LIVE, BENCH = "live traffic", "bench prompts"
 
@@ -231,17 +233,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="show the schedules only")
 
 
-def run(
-    args: argparse.Namespace,
-    live_text: Callable[[], str],
-    apply: Callable[[str, RouterConfig], str],
-) -> int:
-    """Measure, derive and apply (module docstring) against a config store: the live config's
-    text, and a way to apply a new revision (-> its revision)."""
+def run(args: argparse.Namespace, store: ConfigStore) -> int:
+    """Measure, derive and apply (module docstring) against a config store."""
     from specserve.ab.prometheus import PrometheusError
     from specserve.config.settings import get_settings
 
-    text = live_text()
+    text = store.live_text()
     config = parse_config(text.encode(), source="the live config")
     try:
         arms = drafting_arms(config, args.arms)
@@ -267,7 +264,7 @@ def run(
         print("every schedule is already in force: nothing applied")
         return 0
     # The live config again: it may have changed while the costs were measured.
-    old_text = live_text()
+    old_text = store.live_text()
     new_text, new_config = tuned_text(old_text, schedules)
     if args.dry_run:
         print("dry run: nothing applied")
@@ -277,7 +274,7 @@ def run(
     if not changed:
         print("every schedule is already in force: nothing applied")
         return 0
-    revision = apply(new_text, new_config)
+    revision = store.apply(new_text, new_config).new_revision
     print(
         f"applied revision {revision}: {', '.join(changed)} redeploy with the new schedule "
         "(`specserve config rollback" + (" --local" if args.local else "") + "` undoes it)"

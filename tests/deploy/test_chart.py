@@ -10,7 +10,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from specserve.config import cluster_store as cluster_config
+from specserve.config import cluster_store
 from specserve.config.schema import ArmEngineConfig, parse_config, revision_of
 from specserve.config.serve_config import (
     ADMIN_KEYS_FILE,
@@ -74,19 +74,19 @@ def test_router_configmap_is_the_values_config_with_its_revision(rendered):
     live = next(
         o
         for o in by_kind(objs, "ConfigMap")
-        if o["metadata"]["labels"].get(cluster_config.COMPONENT_LABEL)
-        == cluster_config.LIVE_COMPONENT
+        if o["metadata"]["labels"].get(cluster_store.COMPONENT_LABEL)
+        == cluster_store.LIVE_COMPONENT
     )
-    text = live["data"][cluster_config.CONFIG_KEY]
+    text = live["data"][cluster_store.CONFIG_KEY]
     config = parse_config(text)  # the routers accept it
     values_config = _merge_chart_values(profile)["config"]
     assert yaml.safe_load(text) == values_config
     # `config apply | rollback` find it and read its revision the way the routers compute it.
     labels = live["metadata"]["labels"]
-    assert labels[cluster_config.NAME_LABEL] == cluster_config.APP_NAME
-    assert labels[cluster_config.INSTANCE_LABEL] == generate.RELEASE
+    assert labels[cluster_store.NAME_LABEL] == cluster_store.APP_NAME
+    assert labels[cluster_store.INSTANCE_LABEL] == generate.RELEASE
     annotations = live["metadata"]["annotations"]
-    assert annotations[cluster_config.REVISION_KEY] == revision_of(text.encode())
+    assert annotations[cluster_store.REVISION_KEY] == revision_of(text.encode())
     assert config.model.name == values_config["model"]["name"]
 
 

@@ -328,7 +328,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     rates are measured in tests/unit/test_ab.py, a real budget's live verdict in BENCHMARKS.md,
     `bench.loop_proof`). Marked e2e, it runs last in its module (tests/conftest.py), so the arm
     the loop may have changed is not restarted before the module's fixture removes it."""
-    from specserve.config.local_store import LocalConfig
+    from specserve.config.local_store import LocalStore
 
     original = live.config_path.read_text()
     store.purge(live.capture_dir)
@@ -376,7 +376,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
         assert run.returncode == (0 if found["outcome"] == loop.PROMOTED else 3), run.stderr[-2000:]
         adapted = json.loads((work / "adapt.json").read_text())
         after = load_config(live.config_path).config
-        history = LocalConfig(live.config_path).records()
+        history = LocalStore(live.config_path).records()
     finally:
         stop.set()
         # The config as the module's fixture left it; the engines are its teardown's to put

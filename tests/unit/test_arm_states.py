@@ -10,9 +10,9 @@ import ray
 from ray import serve
 from ray.serve.api import RunTarget
 
-from specserve.router.arm_states import routable as _routable
+from specserve.readiness import routable as _routable
+from specserve.readiness import state as _state
 from specserve.router.arm_states import serve_applications as _serve_applications
-from specserve.router.arm_states import state as _state
 from tests.conftest import own_ray_cluster
 
 pytestmark = pytest.mark.own_cluster

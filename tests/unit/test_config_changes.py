@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cli import diff_configs
-from specserve.config.cluster_store import arm_changes, merge_arm_applications
+from specserve.config.changes import diff_configs
 from specserve.config.schema import parse_config
-from specserve.config.serve_config import arm_app_name, serve_config
+from specserve.config.serve_config import (
+    application_changes,
+    arm_app_name,
+    merge_arm_applications,
+    serve_config,
+)
 
 DEFAULT = (Path(__file__).parents[2] / "service/specserve/configs/default.yaml").read_text()
 NGRAM_DEFAULTS = ", prompt_lookup_max: 4, prompt_lookup_min: 2"
@@ -116,7 +120,7 @@ def apply_does(old: str, new: str) -> dict[str, str]:
     """Per arm, what `config apply` does to the RayService serving `old`."""
     document = serve_config(parse_config(old), config_poll_s=2.0)
     merged = merge_arm_applications(document, parse_config(new))
-    changes = arm_changes(document, merged)
+    changes = application_changes(document, merged)
     arms = {
         arm_app_name(a.name): a.name for a in [*parse_config(old).arms, *parse_config(new).arms]
     }
@@ -159,4 +163,4 @@ def test_an_in_place_change_keeps_the_running_engine_arguments():
     after = {a["name"]: a for a in merged["applications"]}["arm-ngram"]
     assert after["args"] == before["args"]
     assert after["deployments"][0]["num_replicas"] == 2
-    assert arm_changes(document, merged).rescaled == ("arm-ngram",)
+    assert application_changes(document, merged).rescaled == ("arm-ngram",)

@@ -128,7 +128,7 @@ class Client:
             args["sticky_salt_file"] = str(tmp_path / "sticky-salt")
         state = ServeState(
             statuses={"a": "RUNNING", "b": "RUNNING"},
-            running=frozenset({"a", "b"}),
+            routable=frozenset({"a", "b"}),
             router_args=args,
             exposed=frozenset(exposed),
         )
@@ -602,7 +602,7 @@ def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, 
     session = next(  # a session the weights place on arm a
         f"s{i}"
         for i in range(100)
-        if choose_arm({"a": 1, "b": 1}, running=both, drained=set(), sticky_key=f"s{i}").arm == "a"
+        if choose_arm({"a": 1, "b": 1}, routable=both, drained=set(), sticky_key=f"s{i}").arm == "a"
     )
     client.arms.held = {"a"}
 
@@ -615,7 +615,7 @@ def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, 
         stopped = dataclasses.replace(
             client.dispatch.state.serve_state,
             statuses={"a": "DEPLOYING", "b": "RUNNING"},
-            running=frozenset({"b"}),
+            routable=frozenset({"b"}),
         )
         monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: stopped)
         status, found, _ = await asyncio.wait_for(asking, 5)

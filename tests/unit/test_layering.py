@@ -1,6 +1,6 @@
 """Modules import only from below: the OpenAI wire (wire/) is spoken by both the dispatch
 (router/) and the arms' front (engine/), so neither imports the other, and the wire imports
-neither."""
+neither; the config (config/) is read by all of them and imports none."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "service" / "specserve"
 # package -> packages it must not import
 FORBIDDEN = {
+    "config": ("specserve.router", "specserve.engine", "specserve.wire", "specserve.loop"),
     "engine": ("specserve.router",),
     "router": ("specserve.engine",),
     "wire": ("specserve.router", "specserve.engine"),

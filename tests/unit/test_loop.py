@@ -20,7 +20,7 @@ import yaml
 from specserve import loop
 from specserve.ab.prometheus import PrometheusError
 from specserve.ab.report import KEEP_TESTING, PROMOTE, ROLL_BACK
-from specserve.config.local_store import LocalConfig
+from specserve.config.local_store import LocalStore
 from specserve.config.schema import parse_config, revision_of
 
 DEFAULT = Path(loop.__file__).parent / "configs" / "default.yaml"
@@ -103,23 +103,19 @@ def row(verdict: str, mismatch: bool = False) -> dict:
     return {"verdict": verdict, "reason": verdict, "traffic": {"mismatch": mismatch}}
 
 
-def run(tmp_path, experiment, **config) -> tuple[dict, LocalConfig, str]:
+def run(tmp_path, experiment, **config) -> tuple[dict, LocalStore, str]:
     live = tmp_path / "config.yaml"
     live.write_text(DEFAULT.read_text())
-    local = LocalConfig(live)
+    local = LocalStore(live)
     now = [0.0]
 
     def sleep(s: float) -> None:
         now[0] += s
 
-    def apply(text, routed) -> str:
-        return local.apply(text, routed).new_revision
-
     settings = loop.LoopConfig(incumbent="eagle3.1", poll_s=30, max_wait_s=600, **config)
     report = loop.Loop(
-        settings, local.live_text, apply, experiment, log=lambda _: None, sleep=sleep,
-        clock=lambda: now[0],
-    ).run(CANDIDATE)  # fmt: skip
+        settings, local, experiment, log=lambda _: None, sleep=sleep, clock=lambda: now[0]
+    ).run(CANDIDATE)
     return report, local, DEFAULT.read_text()
 
 
@@ -206,7 +202,7 @@ class Failing(Scripted):
 def test_whatever_stops_the_loop_takes_its_challenger_out_first(tmp_path, error):
     with pytest.raises(type(error)):
         run(tmp_path, Failing(error))
-    local = LocalConfig(tmp_path / "config.yaml")
+    local = LocalStore(tmp_path / "config.yaml")
     assert arms(local.live_text()) == arms(DEFAULT.read_text())
     assert len(local.records()) == 3  # the original, the challenger's, its removal
 
@@ -214,22 +210,24 @@ def test_whatever_stops_the_loop_takes_its_challenger_out_first(tmp_path, error)
 def test_a_promotion_that_cannot_be_applied_still_takes_the_challenger_out(tmp_path):
     live = tmp_path / "config.yaml"
     live.write_text(DEFAULT.read_text())
-    local = LocalConfig(live)
     applied = []
 
-    def apply(text, routed) -> str:
-        if len(applied) == 1 and "takes" not in "".join(applied):  # the promotion's write
-            applied.append("failed once")
-            raise RuntimeError("the API server refused the write")
-        applied.append("ok")
-        return local.apply(text, routed).new_revision
+    class Refusing(LocalStore):
+        def write_live(self, live, text) -> None:
+            if len(applied) == 1 and "takes" not in "".join(applied):  # the promotion's write
+                applied.append("failed once")
+                raise RuntimeError("the API server refused the write")
+            applied.append("ok")
+            super().write_live(live, text)
+
+    local = Refusing(live)
 
     settings = loop.LoopConfig(incumbent="eagle3.1", poll_s=30, max_wait_s=600)
     now = [0.0]
     experiment = Scripted([1], [row(PROMOTE)])
     with pytest.raises(RuntimeError):
         loop.Loop(
-            settings, local.live_text, apply, experiment, log=lambda _: None,
+            settings, local, experiment, log=lambda _: None,
             sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0],
         ).run(CANDIDATE)  # fmt: skip
     assert arms(local.live_text()) == arms(DEFAULT.read_text())  # no challenger, no promotion
@@ -274,7 +272,7 @@ def dead_loop(tmp_path, live: Path, challenger: str | None) -> Path:
         text, routed, _ = loop.with_challenger(
             live.read_text(), "eagle3.1", CANDIDATE.with_name(challenger), 0.1
         )
-        LocalConfig(live).apply(text, routed)
+        LocalStore(live).apply(text, routed)
     return work
 
 
@@ -296,12 +294,7 @@ def test_the_next_loop_takes_out_the_challenger_a_dead_loop_left(tmp_path, cli_s
     assert "eagle3.1-0123456789ab" in arms(live.read_text())
     record = loop.RunRecord(work)
     stale = record.claim("eagle3.1", revision_of(live.read_bytes()))
-    local = LocalConfig(live)
-
-    def apply(text, routed) -> str:
-        return local.apply(text, routed).new_revision
-
-    assert loop.remove_left_behind(stale, local.live_text, apply, log=lambda _: None)
+    assert loop.remove_left_behind(stale, LocalStore(live), log=lambda _: None)
     assert arms(live.read_text()) == arms(DEFAULT.read_text())
     assert record.read()["pid"] == os.getpid()  # the directory is this run's now
 

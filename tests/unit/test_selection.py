@@ -99,7 +99,7 @@ def test_arms_that_are_not_running_get_no_weighted_or_sticky_traffic():
     running = {"a", "b"}
     rng = random.Random(3)
     n = 20_000
-    picks = [choose_arm(weights, running=running, rng=rng) for _ in range(n)]
+    picks = [choose_arm(weights, routable=running, rng=rng) for _ in range(n)]
     assert {p.arm for p in picks} == {"a", "b"}
     # c's half of the draws fell back and was counted; the rest splits by the running weights.
     fell_back = [p for p in picks if p.fallback_from is not None]
@@ -113,7 +113,7 @@ def test_sticky_keys_of_a_stopped_arm_fall_back_and_the_others_stay():
     weights = {"a": 1, "b": 1, "c": 1}
     for key in KEYS[:3000]:
         usual = sticky_arm(key, weights)
-        got = choose_arm(weights, running={"a", "b"}, sticky_key=key)
+        got = choose_arm(weights, routable={"a", "b"}, sticky_key=key)
         assert got.selected_by == SELECTED_BY_STICKY
         if usual == "c":
             assert got.fallback_from == "c" and got.arm == sticky_arm(key, {"a": 1, "b": 1})
@@ -124,11 +124,11 @@ def test_sticky_keys_of_a_stopped_arm_fall_back_and_the_others_stay():
 def test_override_to_an_arm_that_is_not_running_and_nothing_running_are_errors():
     weights = {"a": 1, "b": 0}
     with pytest.raises(ArmNotRunningError, match="arm 'a' is not running"):
-        choose_arm(weights, running={"b"}, override="a")
-    assert choose_arm(weights, running={"b"}, override="b").arm == "b"
+        choose_arm(weights, routable={"b"}, override="a")
+    assert choose_arm(weights, routable={"b"}, override="b").arm == "b"
     # Only a weight-0 arm runs: nothing may take weighted traffic.
     with pytest.raises(ArmNotRunningError, match=r"no arm with weight > 0 is running"):
-        choose_arm(weights, running={"b"}, sticky_key="k")
+        choose_arm(weights, routable={"b"}, sticky_key="k")
 
 
 def test_a_salt_reassigns_keys_as_a_fresh_draw_keeping_the_split_and_stickiness(tmp_path):

@@ -1,4 +1,4 @@
-"""The router config on a Kubernetes cluster: apply a file, keep a bounded history, roll back.
+"""The router config of a release on Kubernetes, as a config store (store.py).
 
 The Helm chart creates the live config as a ConfigMap (key `config.yaml`, component
 `router-config`) mounted into every Ray pod, where the routers watch it and apply a new valid
@@ -25,42 +25,30 @@ with other values and stops with a field conflict unless it runs with `--force-c
 gives them back to Helm (docs/kubernetes.md, docs/runbook.md). History records are created and
 annotated by plain writes; Helm never renders them.
 
-The decisions (which records to prune, which revision to roll back to, how arm applications
-merge into `serveConfigV2`) are plain functions; `Cluster` is the thin layer over the API.
+`ClusterStore` is this as a config store (store.py, which decides what to record, prune and roll
+back to; serve_config.py merges arm applications into `serveConfigV2`); `Cluster` is the thin
+layer over the API.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
-from specserve.config.schema import (
-    DEPLOYMENT_OPTIONS,
-    ArmChange,
-    ArmEngineConfig,
-    ArmSide,
-    ConfigError,
-    ModelConfig,
-    RouterConfig,
-    arm_change,
-    parse_config,
-    revision_of,
-)
+from specserve.config.changes import ArmChanges
+from specserve.config.schema import RouterConfig, revision_of
 from specserve.config.serve_config import (
-    ARM_APP_PREFIX,
-    ARM_ARG,
-    EXPOSE_HTTP_ARG,
-    MODEL_ARG,
-    arm_application,
+    application_changes,
+    dump_serve_config,
+    merge_arm_applications,
 )
+from specserve.config.store import ConfigStore, Live, Outcome, Record, StoreError
 
 APP_NAME = "specserve"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -75,7 +63,6 @@ APPLIED_AT_ANNOTATION = "specserve.io/applied-at"
 DRAIN_BUDGET_ANNOTATION = "specserve.io/drain-request-seconds"
 CONFIG_KEY = "config.yaml"
 RAY_GROUP, RAY_VERSION, RAYSERVICES = "ray.io", "v1", "rayservices"
-DEFAULT_KEEP = 10
 # The field manager of every write, named in the objects' managedFields and in the conflict a
 # `helm upgrade` without --force-conflicts reports after an apply.
 FIELD_MANAGER = "specserve"
@@ -87,7 +74,7 @@ PATCH_ATTEMPTS = 5
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-class ClusterError(Exception):
+class ClusterError(StoreError):
     """The cluster is not as these commands expect, or refused a request; the message says how."""
 
 
@@ -125,35 +112,22 @@ def last_written(obj: dict[str, Any]) -> datetime | None:
 # History records.
 
 
-@dataclass(frozen=True)
-class Record:
-    """One history record: a revision's bytes and when it was last applied."""
-
-    name: str
-    revision: str
-    applied_at: datetime
-    text: str
-
-    @classmethod
-    def from_configmap(cls, obj: dict[str, Any]) -> Record:
-        meta = obj["metadata"]
-        text = (obj.get("data") or {}).get(CONFIG_KEY, "")
-        stamp = (meta.get("annotations") or {}).get(APPLIED_AT_ANNOTATION)
-        try:
-            applied_at = parse_time(stamp) if stamp else None
-        except ValueError:
-            applied_at = None
-        # The revision is the hash of the bytes, whatever a label says.
-        return cls(
-            name=meta["name"],
-            revision=revision_of(text.encode()),
-            applied_at=applied_at or last_written(obj) or datetime.fromtimestamp(0, UTC),
-            text=text,
-        )
-
-
-def newest_first(records: Iterable[Record]) -> list[Record]:
-    return sorted(records, key=lambda r: (r.applied_at, r.name), reverse=True)
+def record_of(obj: dict[str, Any]) -> Record:
+    """The history record a ConfigMap holds."""
+    meta = obj["metadata"]
+    text = (obj.get("data") or {}).get(CONFIG_KEY, "")
+    stamp = (meta.get("annotations") or {}).get(APPLIED_AT_ANNOTATION)
+    try:
+        applied_at = parse_time(stamp) if stamp else None
+    except ValueError:
+        applied_at = None
+    # The revision is the hash of the bytes, whatever a label says.
+    return Record(
+        name=meta["name"],
+        revision=revision_of(text.encode()),
+        applied_at=applied_at or last_written(obj) or datetime.fromtimestamp(0, UTC),
+        text=text,
+    )
 
 
 def record_name(live_name: str, revision: str) -> str:
@@ -190,54 +164,7 @@ def history_configmap(
     }
 
 
-def next_applied_at(now: datetime, records: Iterable[Record]) -> datetime:
-    """`now`, or just after the newest record when a clock is behind: the revision applied
-    last must sort first."""
-    latest = max((r.applied_at for r in records), default=None)
-    if latest is not None and latest >= now:
-        return latest + timedelta(microseconds=1)
-    return now
-
-
-def records_to_prune(records: Sequence[Record], keep: int, live_revision: str) -> list[Record]:
-    """The records beyond the `keep` applied most recently, never the live revision's."""
-    if keep < 1:
-        raise ValueError("keep at least one record")
-    return [r for r in newest_first(records)[keep:] if r.revision != live_revision]
-
-
-def previous_record(records: Sequence[Record], live_revision: str) -> Record:
-    """What a rollback without `--to` restores: the record applied most recently other than the
-    live one (after a rollback, the revision it rolled back from)."""
-    for record in newest_first(records):
-        if record.revision != live_revision:
-            return record
-    raise ClusterError(
-        f"no earlier revision to roll back to: the history holds only {live_revision}"
-        if records
-        else "no history records yet: `specserve config apply` records them"
-    )
-
-
-def resolve_revision(records: Sequence[Record], wanted: str) -> Record:
-    """The record whose revision is `wanted` or starts with it (a unique prefix)."""
-    known = ", ".join(r.revision for r in newest_first(records)) or "none"
-    wanted = wanted.strip().lower()
-    if not wanted:
-        raise ClusterError(f"name a revision; known revisions: {known}")
-    exact = [r for r in records if r.revision == wanted]
-    matches = exact or [r for r in records if r.revision.startswith(wanted)]
-    if not matches:
-        raise ClusterError(f"no revision {wanted!r} in the history; known revisions: {known}")
-    if len(matches) > 1:
-        which = ", ".join(sorted(r.revision for r in matches))
-        raise ClusterError(
-            f"revision {wanted!r} is ambiguous (matches {which}); known revisions: {known}"
-        )
-    return matches[0]
-
-
-# The arm applications of serveConfigV2.
+# The RayService's serveConfigV2.
 
 
 def load_serve_config(text: str | None, where: str) -> dict[str, Any]:
@@ -248,142 +175,6 @@ def load_serve_config(text: str | None, where: str) -> dict[str, Any]:
     if not isinstance(document, dict) or not isinstance(document.get("applications"), list):
         raise ClusterError(f"{where}: spec.serveConfigV2 has no `applications` list")
     return document
-
-
-def is_arm_application(app: Any) -> bool:
-    return isinstance(app, dict) and str(app.get("name", "")).startswith(ARM_APP_PREFIX)
-
-
-def arm_applications(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {app["name"]: app for app in document["applications"] if is_arm_application(app)}
-
-
-def arm_of_application(app: dict[str, Any]) -> ArmSide | None:
-    """The model and arm an arm application runs (the inverse of `arm_application`), None when
-    its args are not a valid arm (written by hand, or by another version)."""
-    args = app.get("args") or {}
-    options = {
-        key: deployment[option]
-        for deployment in app.get("deployments") or []
-        for key, option in DEPLOYMENT_OPTIONS.items()
-        if option in deployment
-    }
-    try:
-        model = ModelConfig.model_validate(args[MODEL_ARG])
-        return model, ArmEngineConfig.model_validate({**args[ARM_ARG], **options})
-    except (KeyError, TypeError, ValidationError):
-        return None
-
-
-def application_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> ArmChange:
-    """`config.arm_change` between two arm applications; one that cannot be read restarts when
-    it differs at all."""
-    name = str((new or old or {}).get("name", ""))
-    before = None if old is None else arm_of_application(old)
-    after = None if new is None else arm_of_application(new)
-    if (old is not None and before is None) or (new is not None and after is None):
-        return ArmChange(name, "unchanged" if old == new else "restart")
-    return arm_change(name, before, after)
-
-
-def merge_arm_applications(document: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
-    """`document` with its arm applications replaced by those of `config`, as far as they
-    change (`config.arm_change`, on the normalised config).
-
-    An unchanged arm keeps its running application as it is (written out, a default the file
-    left out or spelled out would otherwise redeploy it); an arm changed in place keeps it with
-    the new deployment options; a restarted or new arm gets the new application. Every other
-    application (the router, whose arguments come from the chart's values) and every top-level
-    key stay as they are; the arms take the place of the first arm application. Whether the arms
-    answer under their own route (`expose_http`) is kept from the running document.
-    """
-    apps = document["applications"]
-    expose = any(
-        (app.get("args") or {}).get(EXPOSE_HTTP_ARG) for app in apps if is_arm_application(app)
-    )
-    running = arm_applications(document)
-    arms = []
-    for arm in config.arms:
-        new = arm_application(arm, config, expose_http=expose)
-        old = running.get(new["name"])
-        kind = application_change(old, new).kind
-        if old is None or kind == "restart":
-            arms.append(new)
-        elif kind == "unchanged":
-            arms.append(old)
-        else:
-            kept = {key: value for key, value in old.items() if key != "deployments"}
-            arms.append(
-                {**kept, **({"deployments": new["deployments"]} if "deployments" in new else {})}
-            )
-    first = next((i for i, app in enumerate(apps) if is_arm_application(app)), len(apps))
-    others = [app for app in apps if not is_arm_application(app)]
-    return {**document, "applications": [*others[:first], *arms, *others[first:]]}
-
-
-@dataclass(frozen=True)
-class ArmChanges:
-    """Arm applications Ray Serve redeploys (new, or a changed engine), rescales in place (only
-    replica or queue settings changed) and deletes."""
-
-    redeployed: tuple[str, ...] = ()
-    rescaled: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.redeployed or self.rescaled or self.removed)
-
-
-def arm_changes(before: dict[str, Any], after: dict[str, Any]) -> ArmChanges:
-    """What changes from the arms of one Serve document to another's, classified as `specserve
-    config diff` classifies configs (`config.arm_change`)."""
-    old, new = arm_applications(before), arm_applications(after)
-    changes = [application_change(old.get(name), app) for name, app in new.items()]
-    return ArmChanges(
-        redeployed=tuple(
-            name
-            for name, change in zip(new, changes, strict=True)
-            if change.kind in ("added", "restart")
-        ),
-        rescaled=tuple(
-            name for name, change in zip(new, changes, strict=True) if change.kind == "in place"
-        ),
-        removed=tuple(name for name in old if name not in new),
-    )
-
-
-def dump_serve_config(document: dict[str, Any]) -> str:
-    return yaml.safe_dump(document, sort_keys=False)
-
-
-def describe_arms(text: str) -> str:
-    """`name=weight ...` of a record, or why it cannot be read."""
-    try:
-        config = parse_config(text)
-    except ConfigError as exc:
-        return f"(invalid: {exc})"
-    return " ".join(f"{arm.name}={arm.weight:g}" for arm in config.arms)
-
-
-def history_table(records: Sequence[Record], live_revision: str) -> list[str]:
-    """Newest first: revision, applied-at, arms with weights, and which one is live."""
-    rows = [
-        (
-            r.revision,
-            r.applied_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "live" if r.revision == live_revision else "",
-            describe_arms(r.text),
-        )
-        for r in newest_first(records)
-    ]
-    header = ("REVISION", "APPLIED AT", "LIVE", "ARMS")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True))
-        + "  "
-        + row[3]
-        for row in [header, *rows]
-    ]
 
 
 # The API.
@@ -483,7 +274,7 @@ class Cluster:
         return self._find_one("ConfigMap", items, labels)
 
     def records(self) -> list[Record]:
-        return [Record.from_configmap(item) for item in self._configmaps(HISTORY_COMPONENT)[0]]
+        return [record_of(item) for item in self._configmaps(HISTORY_COMPONENT)[0]]
 
     def rayservice(self) -> dict[str, Any]:
         labels = release_labels(self.release)
@@ -559,186 +350,130 @@ def _status_message(exc: Any) -> tuple[str, str]:
         return f"HTTP {exc.status} {exc.reason}", ""
 
 
-# The commands.
+# The store.
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What an apply or a rollback found and did."""
+class ClusterStore(ConfigStore):
+    """The release's live ConfigMap, its history records, and the arm applications of its
+    RayService's serveConfigV2 (module docstring)."""
 
-    configmap: str
-    rayservice: str
-    old_revision: str
-    new_revision: str
-    old_config: RouterConfig | None  # None when the live bytes are not a valid config
-    new_config: RouterConfig
-    arms: ArmChanges = field(default_factory=ArmChanges)
-    pruned: tuple[str, ...] = ()
+    def __init__(
+        self, cluster: Cluster, *, check: Callable[[RouterConfig], None] | None = None
+    ) -> None:
+        super().__init__(check)
+        self.cluster = cluster
 
-    @property
-    def changed(self) -> bool:
-        return self.old_revision != self.new_revision or bool(self.arms)
-
-
-def apply(
-    cluster: Cluster,
-    text: str,
-    config: RouterConfig,
-    *,
-    keep: int = DEFAULT_KEEP,
-    now: datetime | None = None,
-) -> Outcome:
-    """Make `text` (already validated as `config`) the live config, record it, prune history."""
-    outcome, records = _switch(cluster, text, config, now=now)
-    if not outcome.changed:
-        return outcome
-    pruned = tuple(r.name for r in records_to_prune(records, keep, outcome.new_revision))
-    for name in pruned:
-        cluster.delete_configmap(name)
-    return replace(outcome, pruned=pruned)
-
-
-def rollback(cluster: Cluster, to: str | None = None, *, now: datetime | None = None) -> Outcome:
-    """Restore a recorded revision: `to` (a unique prefix), else the one applied before."""
-    live = cluster.live_configmap()
-    live_revision = revision_of(_config_text(live).encode())
-    records = cluster.records()
-    record = (
-        previous_record(records, live_revision) if to is None else resolve_revision(records, to)
-    )
-    config = parse_config(record.text, source=f"history record {record.name}")
-    return _switch(cluster, record.text, config, now=now)[0]
-
-
-def live_text(cluster: Cluster) -> str:
-    """The live config's text."""
-    return _config_text(cluster.live_configmap())
-
-
-def _check_drain_budget(live: dict[str, Any], config: RouterConfig) -> None:
-    """A request timeout above the release's drain budget would be cut whenever a pod stops:
-    refused before anything is written."""
-    budget = (live["metadata"].get("annotations") or {}).get(DRAIN_BUDGET_ANNOTATION)
-    timeout = config.limits.request_timeout_s
-    if budget is not None and timeout > float(budget):
-        raise ClusterError(
-            f"limits.request_timeout_s: {timeout:g} s, more than the {float(budget):g} s the "
-            f"release's pods wait for a request when they stop (the chart's "
-            f"drain.requestSeconds): raise that with `helm upgrade` first"
+    def read(self) -> Live:
+        """The live ConfigMap, with the RayService whose arms follow it (`source`)."""
+        live = self.cluster.live_configmap()
+        text = (live.get("data") or {}).get(CONFIG_KEY)
+        if text is None:
+            raise ClusterError(f"ConfigMap {live['metadata']['name']} has no key {CONFIG_KEY}")
+        where = f"ConfigMap {live['metadata']['name']} (namespace {self.cluster.namespace})"
+        service = self.cluster.rayservice()
+        return Live(
+            text,
+            where,
+            last_written(live),
+            engines_where=f"RayService {service['metadata']['name']}",
+            source=(live, service),
         )
 
+    def records(self) -> list[Record]:
+        return self.cluster.records()
 
-def _config_text(live: dict[str, Any]) -> str:
-    text = (live.get("data") or {}).get(CONFIG_KEY)
-    if text is None:
-        raise ClusterError(f"ConfigMap {live['metadata']['name']} has no key {CONFIG_KEY}")
-    return text
+    def admit(self, live: Live, config: RouterConfig) -> None:
+        """Also: a request timeout above the release's drain budget would be cut whenever a
+        pod stops."""
+        super().admit(live, config)
+        configmap, _ = live.source
+        budget = (configmap["metadata"].get("annotations") or {}).get(DRAIN_BUDGET_ANNOTATION)
+        timeout = config.limits.request_timeout_s
+        if budget is not None and timeout > float(budget):
+            raise ClusterError(
+                f"limits.request_timeout_s: {timeout:g} s, more than the {float(budget):g} s "
+                f"the release's pods wait for a request when they stop (the chart's "
+                f"drain.requestSeconds): raise that with `helm upgrade` first"
+            )
 
+    def engine_changes(self, live: Live, old: RouterConfig | None, new: RouterConfig) -> ArmChanges:
+        # What runs is the RayService's arm applications, whatever the live config says.
+        _, service = live.source
+        document = load_serve_config(
+            service.get("spec", {}).get("serveConfigV2"), service["metadata"]["name"]
+        )
+        return application_changes(document, merge_arm_applications(document, new))
 
-def _switch(
-    cluster: Cluster, text: str, config: RouterConfig, *, now: datetime | None
-) -> tuple[Outcome, list[Record]]:
-    """Write `text` to the live ConfigMap and the arms of `config` to the RayService, recording
-    both the config that was live and the new one. Returns the outcome and the records as they
-    are now.
-
-    Order: the live config is recorded first (so it can be restored whatever fails next), then the
-    ConfigMap changes, then its record is stamped, then the arms. The routers leave an arm that is
-    not running out of the selection, so a new arm waits for its engine and a removed one stops
-    getting traffic before its application goes.
-    """
-    live = cluster.live_configmap()
-    _check_drain_budget(live, config)
-    service = cluster.rayservice()
-    live_name, service_name = live["metadata"]["name"], service["metadata"]["name"]
-    old_text = _config_text(live)
-    old_revision, new_revision = revision_of(old_text.encode()), revision_of(text.encode())
-    document = load_serve_config(service.get("spec", {}).get("serveConfigV2"), service_name)
-    changes = arm_changes(document, merge_arm_applications(document, config))
-    try:
-        old_config: RouterConfig | None = parse_config(old_text)
-    except ConfigError:
-        old_config = None
-    outcome = Outcome(
-        configmap=live_name,
-        rayservice=service_name,
-        old_revision=old_revision,
-        new_revision=new_revision,
-        old_config=old_config,
-        new_config=config,
-        arms=changes,
-    )
-    records = cluster.records()
-    if not outcome.changed:
-        return outcome, records
-    now = now or datetime.now(UTC)
-    by_revision = {r.revision: r for r in records}
-    if old_revision not in by_revision:
-        # Installed by the chart (or written by hand): recorded with the time it was written.
-        written = min(last_written(live) or now, now)
-        body = history_configmap(live_name, cluster.release, old_text, written)
-        cluster.create_configmap(body)
-        by_revision[old_revision] = Record.from_configmap(body)
-    if old_revision != new_revision:
-        cluster.apply_configmap(
+    def write_live(self, live: Live, text: str) -> None:
+        configmap, _ = live.source
+        self.cluster.apply_configmap(
             {
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
                 "metadata": {
-                    "name": live_name,
+                    "name": configmap["metadata"]["name"],
                     # A precondition: a concurrent change of the live config fails this apply.
-                    "resourceVersion": live["metadata"]["resourceVersion"],
-                    "annotations": {REVISION_KEY: new_revision},
+                    "resourceVersion": configmap["metadata"]["resourceVersion"],
+                    "annotations": {REVISION_KEY: revision_of(text.encode())},
                 },
                 "data": {CONFIG_KEY: text},
             }
         )
-    applied_at = next_applied_at(now, by_revision.values())
-    body = history_configmap(live_name, cluster.release, text, applied_at)
-    if not cluster.create_configmap(body):
-        # Applied before: its record is written again with the new applied-at, deleted and
-        # created rather than patched, so that the config editor's Role may patch the live
-        # ConfigMap only (rbac.yaml).
-        cluster.delete_configmap(body["metadata"]["name"])
-        cluster.create_configmap(body)
-    by_revision[new_revision] = Record.from_configmap(body)
-    if changes:
-        _patch_arms(cluster, config, service)
-    return outcome, list(by_revision.values())
 
-
-def _patch_arms(cluster: Cluster, config: RouterConfig, service: dict[str, Any]) -> None:
-    """Replace the RayService's arm applications, retrying when the object moved meanwhile."""
-    for attempt in range(PATCH_ATTEMPTS):
-        name = service["metadata"]["name"]
-        document = load_serve_config(service.get("spec", {}).get("serveConfigV2"), name)
-        merged = merge_arm_applications(document, config)
-        if not arm_changes(document, merged):
-            return
-        body = {
-            "apiVersion": f"{RAY_GROUP}/{RAY_VERSION}",
-            "kind": "RayService",
-            "metadata": {"name": name, "resourceVersion": service["metadata"]["resourceVersion"]},
-            "spec": {"serveConfigV2": dump_serve_config(merged)},
-        }
-        try:
-            cluster.apply_rayservice(body)
-            return
-        except Conflict:
-            if attempt == PATCH_ATTEMPTS - 1:
-                raise
-            service = cluster.rayservice()
-
-
-def history(cluster: Cluster) -> list[str]:
-    """The history table, and a note when the live config has no record yet."""
-    live = cluster.live_configmap()
-    live_revision = revision_of(_config_text(live).encode())
-    records = cluster.records()
-    lines = history_table(records, live_revision)
-    if live_revision not in {r.revision for r in records}:
-        lines.append(
-            f"live revision {live_revision} (ConfigMap {live['metadata']['name']}) has no record "
-            "yet; the next apply or rollback records it"
+    def write_record(self, live: Live, text: str, applied_at: datetime) -> Record:
+        configmap, _ = live.source
+        body = history_configmap(
+            configmap["metadata"]["name"], self.cluster.release, text, applied_at
         )
-    return lines
+        if not self.cluster.create_configmap(body):
+            # Applied before: its record is written again with the new applied-at, deleted and
+            # created rather than patched, so that the config editor's Role may patch the live
+            # ConfigMap only (rbac.yaml).
+            self.cluster.delete_configmap(body["metadata"]["name"])
+            self.cluster.create_configmap(body)
+        return record_of(body)
+
+    def delete_record(self, record: Record) -> None:
+        self.cluster.delete_configmap(record.name)
+
+    def write_engines(self, live: Live, config: RouterConfig) -> None:
+        """Replace the RayService's arm applications, retrying when the object moved meanwhile."""
+        _, service = live.source
+        for attempt in range(PATCH_ATTEMPTS):
+            name = service["metadata"]["name"]
+            document = load_serve_config(service.get("spec", {}).get("serveConfigV2"), name)
+            merged = merge_arm_applications(document, config)
+            if not application_changes(document, merged):
+                return
+            body = {
+                "apiVersion": f"{RAY_GROUP}/{RAY_VERSION}",
+                "kind": "RayService",
+                "metadata": {
+                    "name": name,
+                    "resourceVersion": service["metadata"]["resourceVersion"],
+                },
+                "spec": {"serveConfigV2": dump_serve_config(merged)},
+            }
+            try:
+                self.cluster.apply_rayservice(body)
+                return
+            except Conflict:
+                if attempt == PATCH_ATTEMPTS - 1:
+                    raise
+                service = self.cluster.rayservice()
+
+    def notes(self, outcome: Outcome) -> list[str]:
+        notes = []
+        if outcome.old_revision != outcome.new_revision:
+            notes.append(
+                "live: the routers serve the new revision without restart once the kubelet has "
+                "updated the mounted file (about a minute)"
+            )
+        if outcome.engines:
+            notes.append(
+                f"{outcome.engines_where}: serveConfigV2 patched; Ray Serve "
+                f"{outcome.engines.describe()}"
+            )
+        else:
+            notes.append(f"{outcome.engines_where}: no arm engine changed, nothing redeploys")
+        return notes

@@ -1,114 +1,49 @@
-"""`specserve config apply | history | rollback --local`: revisions and their history for the
-config file a local `specserve serve` runs from, as `cluster_config` keeps them on Kubernetes.
+"""The config file a local `specserve serve` runs from, as a config store (store.py).
 
 The live file is replaced by one rename, so the watcher reads the old bytes or the new ones,
 never half, and `specserve serve` applies the new revision within `config_poll_s` (arms whose
 engine changed are redeployed, as on Kubernetes). Every revision applied is recorded under
 `<file>.history/<revision>.yaml` (its bytes), the file's modification time being when it was
-last applied; the revision live before the first apply is recorded too, so a rollback can always
-return to where it started.
+last applied.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from specserve.config.cluster_store import (
-    DEFAULT_KEEP,
-    Record,
-    history_table,
-    next_applied_at,
-    previous_record,
-    records_to_prune,
-    resolve_revision,
-)
-from specserve.config.schema import ConfigError, RouterConfig, parse_config, revision_of
+from specserve.config.changes import ArmChanges, arm_changes
+from specserve.config.schema import RouterConfig, revision_of
+from specserve.config.store import ConfigStore, Live, Outcome, Record
 
 
-@dataclass(frozen=True)
-class LocalOutcome:
-    path: Path
-    old_revision: str
-    new_revision: str
-    old_config: RouterConfig | None  # None when the live bytes are not a valid config
-    new_config: RouterConfig
-    pruned: tuple[str, ...] = ()
-
-    @property
-    def changed(self) -> bool:
-        return self.old_revision != self.new_revision
-
-
-class LocalConfig:
-    def __init__(self, path: Path) -> None:
+class LocalStore(ConfigStore):
+    def __init__(self, path: Path, *, check: Callable[[RouterConfig], None] | None = None) -> None:
+        super().__init__(check)
         self.path = path
         self.history_dir = path.with_name(path.name + ".history")
 
-    def live_text(self) -> str:
-        return self.path.read_text()
+    def read(self) -> Live:
+        written = datetime.fromtimestamp(self.path.stat().st_mtime, UTC)
+        return Live(self.path.read_text(), str(self.path), written)
 
     def records(self) -> list[Record]:
         if not self.history_dir.is_dir():
             return []
-        records = []
-        for file in self.history_dir.glob("*.yaml"):
-            text = file.read_text()
-            records.append(
-                Record(
-                    name=file.name,
-                    revision=revision_of(text.encode()),
-                    applied_at=datetime.fromtimestamp(file.stat().st_mtime, UTC),
-                    text=text,
-                )
-            )
-        return records
+        return [self._record(file) for file in self.history_dir.glob("*.yaml")]
 
-    def apply(
-        self,
-        text: str,
-        config: RouterConfig,
-        *,
-        keep: int = DEFAULT_KEEP,
-        now: datetime | None = None,
-    ) -> LocalOutcome:
-        """Make `text` (already validated as `config`) the live file, record it, prune."""
-        old_text = self.live_text()
-        old_revision, new_revision = revision_of(old_text.encode()), revision_of(text.encode())
-        try:
-            old_config: RouterConfig | None = parse_config(old_text)
-        except ConfigError:
-            old_config = None
-        outcome = LocalOutcome(self.path, old_revision, new_revision, old_config, config)
-        if not outcome.changed:
-            return outcome
-        now = now or datetime.now(UTC)
-        if old_revision not in {r.revision for r in self.records()}:
-            written = datetime.fromtimestamp(self.path.stat().st_mtime, UTC)
-            self._record(old_text, min(written, now))
-        self._replace_live(text)
-        self._record(text, next_applied_at(now, self.records()))
-        pruned = records_to_prune(self.records(), keep, new_revision)
-        for record in pruned:
-            (self.history_dir / record.name).unlink(missing_ok=True)
-        return replace(outcome, pruned=tuple(r.revision for r in pruned))
+    def engine_changes(self, live: Live, old: RouterConfig | None, new: RouterConfig) -> ArmChanges:
+        # `specserve serve` redeploys what changed from the config it serves, the last valid one.
+        return ArmChanges() if old is None else ArmChanges.of(arm_changes(old, new))
 
-    def rollback(self, to: str | None = None, *, now: datetime | None = None) -> LocalOutcome:
-        """Restore a recorded revision: `to` (a unique prefix), else the one applied before."""
-        live_revision = revision_of(self.live_text().encode())
-        records = self.records()
-        record = (
-            previous_record(records, live_revision) if to is None else resolve_revision(records, to)
-        )
-        config = parse_config(record.text, source=f"history record {record.name}")
-        return self.apply(record.text, config, now=now)
+    def write_live(self, live: Live, text: str) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(text)
+        tmp.rename(self.path)
 
-    def history(self) -> list[str]:
-        return history_table(self.records(), revision_of(self.live_text().encode()))
-
-    def _record(self, text: str, applied_at: datetime) -> None:
+    def write_record(self, live: Live, text: str, applied_at: datetime) -> Record:
         self.history_dir.mkdir(parents=True, exist_ok=True)
         path = self.history_dir / f"{revision_of(text.encode())}.yaml"
         if not path.exists():
@@ -117,8 +52,26 @@ class LocalConfig:
             tmp.rename(path)
         stamp = applied_at.timestamp()
         os.utime(path, (stamp, stamp))
+        return self._record(path)
 
-    def _replace_live(self, text: str) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(text)
-        tmp.rename(self.path)
+    def write_engines(self, live: Live, config: RouterConfig) -> None:
+        """Nothing: `specserve serve` reads the arms from the file it watches."""
+
+    def delete_record(self, record: Record) -> None:
+        (self.history_dir / record.name).unlink(missing_ok=True)
+
+    def notes(self, outcome: Outcome) -> list[str]:
+        notes = ["live: a running `specserve serve` applies it within a second"]
+        if outcome.engines:
+            notes.append(f"arms: {outcome.engines_where} {outcome.engines.describe()}")
+        return notes
+
+    @staticmethod
+    def _record(file: Path) -> Record:
+        text = file.read_text()
+        return Record(
+            name=file.name,
+            revision=revision_of(text.encode()),
+            applied_at=datetime.fromtimestamp(file.stat().st_mtime, UTC),
+            text=text,
+        )

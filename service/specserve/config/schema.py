@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -26,7 +25,7 @@ from pydantic import (
 
 from specserve import headers, k_schedule
 from specserve.capture.store import DEFAULT_MAX_BYTES
-from specserve.config import policy as config_policy
+from specserve.config import policy
 
 # The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
 # this long at most for its requests, each of which its own timeout ends sooner.
@@ -211,7 +210,7 @@ class ArmEngineConfig(_Strict):
     and changes live in the router."""
 
     # The chart's values.schema.json refuses settings outside the allow-lists, too.
-    model_config = ConfigDict(json_schema_extra=config_policy.opt_in_schema())
+    model_config = ConfigDict(json_schema_extra=policy.opt_in_schema())
 
     name: str = Field(
         pattern=ARM_NAME_PATTERN,
@@ -305,9 +304,9 @@ class ArmEngineConfig(_Strict):
         allowed = info.data.get("allow_code_loading")
         opted_in = set(allowed.engine) if allowed is not None else set()
         for key, value in engine.items():
-            problem = config_policy.non_finite(value, key)
+            problem = policy.non_finite(value, key)
             if problem is None and key not in opted_in:
-                problem = config_policy.engine_refusal(key, value)
+                problem = policy.engine_refusal(key, value)
             if problem:
                 raise ValueError(problem)
         return engine
@@ -318,9 +317,9 @@ class ArmEngineConfig(_Strict):
         allowed = info.data.get("allow_code_loading")
         opted_in = set(allowed.env) if allowed is not None else set()
         for name in env:
-            if not config_policy.ENV_NAME_PATTERN.match(name):
+            if not policy.ENV_NAME_PATTERN.match(name):
                 raise ValueError(f"`{name}` is not an environment variable name")
-            problem = None if name in opted_in else config_policy.env_refusal(name)
+            problem = None if name in opted_in else policy.env_refusal(name)
             if problem:
                 raise ValueError(problem)
         return env
@@ -625,70 +624,6 @@ class LoadedConfig(BaseModel):
     config: RouterConfig
     revision: str
     path: str
-
-
-ArmChangeKind = Literal["unchanged", "in place", "restart", "added", "removed"]
-
-
-@dataclass(frozen=True)
-class ArmChange:
-    """How one arm changes between two configs, compared on the normalised config (every default
-    filled in, so writing a default out or leaving it out is no change):
-
-    - `restart`: its engine changes (the model, `speculative`, `engine`, `env`, ...): Ray Serve
-      starts new engine replicas (`restart` names the keys, `model` first when it changed);
-    - `in place`: only its weight or capture (live, in the router) or its replicas and queue
-      bounds (`DEPLOYMENT_OPTIONS`, applied to the running engines) change (`in_place` names
-      those but the weight);
-    - `unchanged`, `added`, `removed`.
-
-    `specserve config diff` and `config apply` both classify with `arm_change`."""
-
-    name: str
-    kind: ArmChangeKind
-    weight: tuple[float, float] | None = None  # (old, new) when it changed
-    in_place: tuple[str, ...] = ()
-    restart: tuple[str, ...] = ()
-
-
-ArmSide = tuple[ModelConfig, ArmEngineConfig]
-
-
-def arm_change(name: str, old: ArmSide | None, new: ArmSide | None) -> ArmChange:
-    """The change of arm `name` from `old` to `new` (model and arm; None: not there). Weights
-    count where both sides have one (an `ArmConfig`; a running engine has none)."""
-    if old is None or new is None:
-        if old is None and new is None:
-            raise ValueError(f"arm {name} is on neither side")
-        return ArmChange(name, "added" if old is None else "removed")
-    (old_model, old_arm), (new_model, new_arm) = old, new
-    before = old_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
-    after = new_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
-    changed = [key for key in after if before.get(key) != after[key]]
-    restart = tuple(key for key in changed if key not in DEPLOYMENT_OPTIONS)
-    if old_model != new_model:
-        restart = ("model", *restart)
-    in_place = tuple(key for key in changed if key in DEPLOYMENT_OPTIONS)
-    # Like the weight, the capture counts where both sides have one (a running engine has none).
-    both = isinstance(old_arm, ArmConfig) and isinstance(new_arm, ArmConfig)
-    if both and old_arm.capture != new_arm.capture:  # type: ignore[attr-defined]
-        in_place = (*in_place, "capture")
-    old_weight, new_weight = getattr(old_arm, "weight", None), getattr(new_arm, "weight", None)
-    weight = None
-    if old_weight is not None and new_weight is not None and old_weight != new_weight:
-        weight = (old_weight, new_weight)
-    kind: ArmChangeKind = (
-        "restart" if restart else "in place" if in_place or weight else "unchanged"
-    )
-    return ArmChange(name, kind, weight, in_place, restart)
-
-
-def arm_changes(old: RouterConfig, new: RouterConfig) -> list[ArmChange]:
-    """Every arm of either config: those of `new` in its order, then the removed ones."""
-    before = {arm.name: (old.model, arm) for arm in old.arms}
-    after = {arm.name: (new.model, arm) for arm in new.arms}
-    names = [*after, *(name for name in before if name not in after)]
-    return [arm_change(name, before.get(name), after.get(name)) for name in names]
 
 
 def revision_of(raw: bytes) -> str:

@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.config.schema import ArmConfig, RouterConfig
+import yaml
+from pydantic import ValidationError
+
+from specserve.config.changes import ArmChange, ArmChanges, ArmSide, arm_change
+from specserve.config.schema import (
+    DEPLOYMENT_OPTIONS,
+    ArmConfig,
+    ArmEngineConfig,
+    ModelConfig,
+    RouterConfig,
+)
 
 ROUTER_APP_NAME = "specserve"
 # A stopping platform gives the requests in flight this long to finish, streams included, while
@@ -191,3 +201,90 @@ def serve_config(
         "http_options": {"host": host, "port": port},
         "applications": [router, *arms],
     }
+
+
+# Reading a Serve document back: its arm applications, and merging a config's into it.
+
+
+def is_arm_application(app: Any) -> bool:
+    return isinstance(app, dict) and str(app.get("name", "")).startswith(ARM_APP_PREFIX)
+
+
+def arm_applications(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {app["name"]: app for app in document["applications"] if is_arm_application(app)}
+
+
+def arm_of_application(app: dict[str, Any]) -> ArmSide | None:
+    """The model and arm an arm application runs (the inverse of `arm_application`), None when
+    its args are not a valid arm (written by hand, or by another version)."""
+    args = app.get("args") or {}
+    options = {
+        key: deployment[option]
+        for deployment in app.get("deployments") or []
+        for key, option in DEPLOYMENT_OPTIONS.items()
+        if option in deployment
+    }
+    try:
+        model = ModelConfig.model_validate(args[MODEL_ARG])
+        return model, ArmEngineConfig.model_validate({**args[ARM_ARG], **options})
+    except (KeyError, TypeError, ValidationError):
+        return None
+
+
+def application_change(old: dict[str, Any] | None, new: dict[str, Any] | None) -> ArmChange:
+    """`changes.arm_change` between two arm applications; one that cannot be read restarts when
+    it differs at all."""
+    name = str((new or old or {}).get("name", ""))
+    before = None if old is None else arm_of_application(old)
+    after = None if new is None else arm_of_application(new)
+    if (old is not None and before is None) or (new is not None and after is None):
+        return ArmChange(name, "unchanged" if old == new else "restart")
+    return arm_change(name, before, after)
+
+
+def merge_arm_applications(document: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """`document` with its arm applications replaced by those of `config`, as far as they
+    change (`changes.arm_change`, on the normalised config).
+
+    An unchanged arm keeps its running application as it is (written out, a default the file
+    left out or spelled out would otherwise redeploy it); an arm changed in place keeps it with
+    the new deployment options; a restarted or new arm gets the new application. Every other
+    application (the router, whose arguments come from the chart's values) and every top-level
+    key stay as they are; the arms take the place of the first arm application. Whether the arms
+    answer under their own route (`expose_http`) is kept from the running document.
+    """
+    apps = document["applications"]
+    expose = any(
+        (app.get("args") or {}).get(EXPOSE_HTTP_ARG) for app in apps if is_arm_application(app)
+    )
+    running = arm_applications(document)
+    arms = []
+    for arm in config.arms:
+        new = arm_application(arm, config, expose_http=expose)
+        old = running.get(new["name"])
+        kind = application_change(old, new).kind
+        if old is None or kind == "restart":
+            arms.append(new)
+        elif kind == "unchanged":
+            arms.append(old)
+        else:
+            kept = {key: value for key, value in old.items() if key != "deployments"}
+            arms.append(
+                {**kept, **({"deployments": new["deployments"]} if "deployments" in new else {})}
+            )
+    first = next((i for i, app in enumerate(apps) if is_arm_application(app)), len(apps))
+    others = [app for app in apps if not is_arm_application(app)]
+    return {**document, "applications": [*others[:first], *arms, *others[first:]]}
+
+
+def application_changes(before: dict[str, Any], after: dict[str, Any]) -> ArmChanges:
+    """The engines that change from the arm applications of one Serve document to another's,
+    classified as `specserve config diff` classifies configs (`changes.arm_change`)."""
+    old, new = arm_applications(before), arm_applications(after)
+    changes = [application_change(old.get(name), app) for name, app in new.items()]
+    changes += [ArmChange(name, "removed") for name in old if name not in new]
+    return ArmChanges.of(changes)
+
+
+def dump_serve_config(document: dict[str, Any]) -> str:
+    return yaml.safe_dump(document, sort_keys=False)

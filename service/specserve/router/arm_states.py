@@ -24,9 +24,8 @@ from specserve.config.serve_config import (
     arm_name_of_app,
 )
 from specserve.node_drain import DRAIN_KV_NAMESPACE, drain_key
-from specserve.readiness import RUNNING
+from specserve.readiness import routable, state
 
-DEPLOYING = "DEPLOYING"
 # How often the dispatch asks Ray Serve which arms run.
 POLL_S = 1.0
 # How long a request that arrives before the first answer waits for it.
@@ -41,7 +40,7 @@ class ServeState:
     """One read of what Ray Serve runs."""
 
     statuses: dict[str, str] = field(default_factory=dict)  # arm -> its application's status
-    running: frozenset[str] = frozenset()  # arms that may take traffic (see `routable`)
+    routable: frozenset[str] = frozenset()  # arms that may take traffic (readiness.routable)
     router_args: dict[str, Any] | None = None  # None: no specserve router application
     draining: bool = False  # the router application is switched to draining
     node_draining: bool = False  # this proxy's node is being drained (`specserve drain-node`)
@@ -66,8 +65,8 @@ def serve_applications() -> dict[str, dict[str, Any]]:
 def read_serve_state(previous: ServeState | None = None) -> ServeState:
     """What runs now; `previous`, the last read, settles arms whose application is being built
     again (see `routable`)."""
-    was_running = previous.running if previous is not None else frozenset()
-    statuses, running, exposed = {}, set(), set()
+    was_routable = previous.routable if previous is not None else frozenset()
+    statuses, routable_arms, exposed = {}, set(), set()
     router_args, draining = None, False
     for name, app in serve_applications().items():
         deployed = app.get("deployed_app_config") or {}
@@ -79,13 +78,13 @@ def read_serve_state(previous: ServeState | None = None) -> ServeState:
         if arm is None:
             continue
         statuses[arm] = state(app.get("status"))
-        if routable(app, was_running=arm in was_running):
-            running.add(arm)
+        if routable(app, was_running=arm in was_routable):
+            routable_arms.add(arm)
         if (deployed.get("args") or {}).get(EXPOSE_HTTP_ARG):
             exposed.add(arm)
     return ServeState(
         statuses=statuses,
-        running=frozenset(running),
+        routable=frozenset(routable_arms),
         router_args=router_args,
         draining=draining,
         node_draining=node_draining(),
@@ -105,23 +104,3 @@ def _router_draining(deployed: dict[str, Any]) -> bool:
         if deployment.get("name") == ROUTER_DEPLOYMENT_NAME:
             return bool((deployment.get("user_config") or {}).get(DRAINING))
     return False
-
-
-def state(value: Any) -> str:
-    return str(getattr(value, "value", value))  # Serve's state enums, or their text
-
-
-def routable(app: dict[str, Any], *, was_running: bool = False) -> bool:
-    """An arm takes traffic while every deployment of its application has a running replica:
-    RUNNING, or DEPLOYING a new version while the old replicas still serve. While Ray Serve
-    builds a changed application again (its builder runs: DEPLOYING, no deployments listed,
-    ~20 s for an arm), the old replicas serve on: the arm keeps the state it had."""
-    status = state(app.get("status"))
-    if status == RUNNING:
-        return True
-    deployments = (app.get("deployments") or {}).values()
-    if not deployments:
-        return was_running and status == DEPLOYING
-    return all(
-        any(state(r.get("state")) == RUNNING for r in d.get("replicas") or ()) for d in deployments
-    )

@@ -247,7 +247,7 @@ class DispatchState:
         while True:
             try:
                 state = await self._read_serve_state()
-                stopped = self.serve_state.running - state.running
+                stopped = self.serve_state.routable - state.routable
                 self.serve_state = state
                 for arm in stopped:
                     if (event := self._stopped.pop(arm, None)) is not None:
@@ -271,7 +271,7 @@ class DispatchState:
                 self.metrics.set_in_flight(self.in_flight.count)
                 self.metrics.set_arm_states_age(time.monotonic() - self._state_read_at)
                 weights = self.loaded.config.weights
-                self.metrics.set_running({a: a in self.serve_state.running for a in weights})
+                self.metrics.set_running({a: a in self.serve_state.routable for a in weights})
             await asyncio.sleep(POLL_S)
 
     async def _read_serve_state(self) -> ServeState:
@@ -670,7 +670,7 @@ class DispatchState:
         others = {arm: w for arm, w in config.weights.items() if arm != record.arm}
         try:
             selection = choose_arm(
-                others, running=self.serve_state.running, drained=self.guard.drained()
+                others, routable=self.serve_state.routable, drained=self.guard.drained()
             )
         except ArmNotRunningError:
             return record.arm
@@ -712,7 +712,7 @@ class DispatchState:
         try:
             selection = choose_arm(
                 config.weights,
-                running=self.serve_state.running,
+                routable=self.serve_state.routable,
                 drained=self.guard.drained(),
                 override=request_headers.get(headers.ARM_OVERRIDE),
                 sticky_key=sticky_key,

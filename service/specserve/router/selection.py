@@ -90,7 +90,7 @@ def random_arm(weights: Mapping[str, float], rng: random.Random | None = None) -
 def choose_arm(
     weights: Mapping[str, float],
     *,
-    running: Collection[str] | None = None,
+    routable: Collection[str] | None = None,
     drained: Collection[str] = (),
     override: str | None = None,
     sticky_key: str | None = None,
@@ -98,9 +98,11 @@ def choose_arm(
     rng: random.Random | None = None,
 ) -> Selection:
     """Pick the arm for one request. An override may name any configured arm, even weight 0,
-    as long as it runs; the weights and sticky keys only ever pick running arms (all arms when
-    `running` is None), and not drained ones unless every running arm is drained."""
-    is_running = (lambda arm: True) if running is None else (lambda arm: arm in running)
+    as long as it takes traffic; the weights and sticky keys only ever pick arms in `routable`
+    (readiness.routable: running, or redeploying while the old replicas serve; all arms when
+    None), and not drained ones unless every routable arm is drained. In this module and its
+    errors, "running" means routable."""
+    is_running = (lambda arm: True) if routable is None else (lambda arm: arm in routable)
     if override is not None:
         if override not in weights:
             raise UnknownArmError(override, sorted(weights))

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from specserve.cli import main as cli
-from specserve.config.cluster_store import ClusterError
-from specserve.config.local_store import LocalConfig
+from specserve.config.local_store import LocalStore
 from specserve.config.schema import parse_config, revision_of
+from specserve.config.store import StoreError
 from tests.conftest import render_config
 
 T0 = datetime(2026, 11, 26, 9, 0, tzinfo=UTC)
@@ -29,7 +29,7 @@ def test_apply_replaces_the_file_and_records_both_revisions_then_rollback_goes_b
     first, second, third = texts()
     live = tmp_path / "config.yaml"
     live.write_text(first)
-    local = LocalConfig(live)
+    local = LocalStore(live)
     outcome = local.apply(second, parse_config(second), now=T0)
     assert outcome.changed and live.read_text() == second
     assert outcome.old_revision == revision_of(first.encode())
@@ -52,7 +52,7 @@ def test_applying_the_live_revision_changes_nothing_and_history_is_pruned(tmp_pa
     first, second, third = texts()
     live = tmp_path / "config.yaml"
     live.write_text(first)
-    local = LocalConfig(live)
+    local = LocalStore(live)
     assert not local.apply(first, parse_config(first), now=T0).changed
     assert local.records() == []
     local.apply(second, parse_config(second), now=T0)
@@ -62,7 +62,7 @@ def test_applying_the_live_revision_changes_nothing_and_history_is_pruned(tmp_pa
         revision_of(second.encode()),
         revision_of(third.encode()),
     }
-    with pytest.raises(ClusterError, match="no revision 'ffff'"):
+    with pytest.raises(StoreError, match="no revision 'ffff'"):
         local.rollback(to="ffff")
 
 
@@ -86,3 +86,31 @@ def test_the_cli_validates_before_it_touches_the_live_file(tmp_path, capsys):
     assert "live" in capsys.readouterr().out
     assert cli(["config", "history", "--local", str(tmp_path / "missing.yaml")]) == 2
     assert "no config file there" in capsys.readouterr().err
+
+
+def test_an_apply_says_which_engines_the_running_serve_redeploys_and_a_weight_touches_none(
+    tmp_path, capsys
+):
+    first = render_config()
+    live = tmp_path / "config.yaml"
+    live.write_text(first)
+    local = LocalStore(live)
+    reweighted = render_config(ngram_weight=5)
+    assert not local.apply(reweighted, parse_config(reweighted), now=T0).engines
+    redrafted = render_config(ngram_weight=5, k=5)
+    outcome = local.apply(redrafted, parse_config(redrafted), now=T0 + timedelta(minutes=1))
+    assert (outcome.engines.redeployed, outcome.engines.rescaled) == (("ngram",), ())
+    assert local.notes(outcome)[-1] == "arms: Ray Serve redeploys ngram"
+
+
+def test_a_check_refuses_a_config_before_anything_is_written(tmp_path):
+    first, second, _ = texts()
+    live = tmp_path / "config.yaml"
+    live.write_text(first)
+
+    def refuse(config):
+        raise StoreError("vLLM would not start this")
+
+    with pytest.raises(StoreError, match="vLLM would not"):
+        LocalStore(live, check=refuse).apply(second, parse_config(second), now=T0)
+    assert live.read_text() == first and not (tmp_path / "config.yaml.history").exists()

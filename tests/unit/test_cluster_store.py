@@ -11,24 +11,32 @@ import pytest
 import yaml
 
 from specserve.cli import main
-from specserve.config import cluster_store as cluster_config
+from specserve.config import cluster_store
 from specserve.config.cluster_store import (
-    ClusterError,
-    Record,
-    arm_changes,
     format_time,
     history_configmap,
-    history_table,
     last_written,
-    merge_arm_applications,
-    next_applied_at,
+    load_serve_config,
     parse_time,
+    record_of,
+)
+from specserve.config.schema import parse_config, revision_of
+from specserve.config.serve_config import (
+    ROUTER_APP_NAME,
+    application_changes,
+    dump_serve_config,
+    merge_arm_applications,
+    serve_config,
+)
+from specserve.config.store import (
+    Record,
+    StoreError,
+    history_table,
+    next_applied_at,
     previous_record,
     records_to_prune,
     resolve_revision,
 )
-from specserve.config.schema import parse_config, revision_of
-from specserve.config.serve_config import ROUTER_APP_NAME, serve_config
 
 CONFIG = """\
 model: {name: m, source: s}
@@ -113,14 +121,14 @@ def test_history_record_is_immutable_labelled_and_named_by_revision():
         "specserve.io/revision": revision,
     }
     assert parse_time(body["metadata"]["annotations"]["specserve.io/applied-at"]) == T0
-    again = Record.from_configmap(body)
+    again = record_of(body)
     assert (again.revision, again.applied_at, again.text) == (revision, T0, CONFIG)
 
 
 def test_record_revision_is_the_hash_of_its_bytes_not_its_label():
     body = history_configmap("c", "rel", CONFIG, T0)
     body["metadata"]["labels"]["specserve.io/revision"] = "000000000000"
-    assert Record.from_configmap(body).revision == revision_of(CONFIG.encode())
+    assert record_of(body).revision == revision_of(CONFIG.encode())
 
 
 # Which revision a rollback restores.
@@ -135,9 +143,9 @@ def test_rollback_default_is_the_record_applied_before_the_live_one():
 
 
 def test_rollback_default_without_an_earlier_record_is_an_error():
-    with pytest.raises(ClusterError, match="only ccc333"):
+    with pytest.raises(StoreError, match="only ccc333"):
         previous_record([record("ccc333", 0)], "ccc333")
-    with pytest.raises(ClusterError, match="no history records"):
+    with pytest.raises(StoreError, match="no history records"):
         previous_record([], "ccc333")
 
 
@@ -150,15 +158,15 @@ def test_rollback_to_takes_a_revision_or_a_unique_prefix():
 
 def test_rollback_to_an_ambiguous_or_unknown_revision_lists_the_known_ones():
     records = [record("3f2a0c1d9e8b", 0), record("3f9b11aa0000", 1), record("6ffeb893ab1b", 2)]
-    with pytest.raises(ClusterError) as ambiguous:
+    with pytest.raises(StoreError) as ambiguous:
         resolve_revision(records, "3f")
     assert "ambiguous (matches 3f2a0c1d9e8b, 3f9b11aa0000)" in str(ambiguous.value)
-    with pytest.raises(ClusterError) as unknown:
+    with pytest.raises(StoreError) as unknown:
         resolve_revision(records, "abc")
     message = str(unknown.value)
     assert "no revision 'abc'" in message
     assert "known revisions: 6ffeb893ab1b, 3f9b11aa0000, 3f2a0c1d9e8b" in message
-    with pytest.raises(ClusterError, match="name a revision"):
+    with pytest.raises(StoreError, match="name a revision"):
         resolve_revision(records, "")
 
 
@@ -194,11 +202,11 @@ def test_merge_replaces_the_arms_and_keeps_the_router_and_top_level_keys():
     ]
     arm_b = merged["applications"][2]
     assert arm_b["args"]["arm"]["speculative"]["num_speculative_tokens"] == 5
-    changes = arm_changes(document, merged)
+    changes = application_changes(document, merged)
     assert changes.redeployed == ("arm-b", "arm-c")
     assert changes.removed == ()
     # The document survives a YAML round trip (serveConfigV2 is a string).
-    dumped = cluster_config.dump_serve_config(merged)
+    dumped = dump_serve_config(merged)
     assert yaml.safe_load(dumped) == merged
 
 
@@ -213,7 +221,7 @@ def test_merge_removes_an_arm_and_keeps_other_applications_in_place():
         "dashboard",
     ]
     assert merged["applications"][-1] == extra
-    changes = arm_changes(document, merged)
+    changes = application_changes(document, merged)
     assert (changes.redeployed, changes.removed) == ((), ("arm-b",))
 
 
@@ -229,15 +237,15 @@ def test_no_patch_when_only_weights_routing_or_limits_change():
     document = running_document()
     live_only = CONFIG.replace("weight: 3", "weight: 9") + "limits: {max_tokens: 64}\n"
     merged = merge_arm_applications(document, parse_config(live_only))
-    assert not arm_changes(document, merged)
+    assert not application_changes(document, merged)
     assert merged == document
 
 
 def test_key_order_and_yaml_layout_of_the_running_document_do_not_count_as_changes():
     # The chart renders serveConfigV2 with Helm's toYaml: keys sorted, other layout.
     rendered = yaml.safe_dump(running_document(), sort_keys=True, default_flow_style=True)
-    document = cluster_config.load_serve_config(rendered, "specserve")
-    assert not arm_changes(document, merge_arm_applications(document, parse_config(CONFIG)))
+    document = load_serve_config(rendered, "specserve")
+    assert not application_changes(document, merge_arm_applications(document, parse_config(CONFIG)))
 
 
 def test_model_change_redeploys_every_arm():
@@ -245,14 +253,14 @@ def test_model_change_redeploys_every_arm():
     merged = merge_arm_applications(
         document, parse_config(CONFIG.replace("source: s", "source: t"))
     )
-    assert arm_changes(document, merged).redeployed == ("arm-a", "arm-b")
+    assert application_changes(document, merged).redeployed == ("arm-a", "arm-b")
 
 
 def test_a_serve_config_without_applications_is_an_error():
-    with pytest.raises(ClusterError, match="no `applications`"):
-        cluster_config.load_serve_config("proxy_location: EveryNode\n", "specserve")
-    with pytest.raises(ClusterError, match="not valid YAML"):
-        cluster_config.load_serve_config("applications: [", "specserve")
+    with pytest.raises(StoreError, match="no `applications`"):
+        load_serve_config("proxy_location: EveryNode\n", "specserve")
+    with pytest.raises(StoreError, match="not valid YAML"):
+        load_serve_config("applications: [", "specserve")
 
 
 def test_history_table_is_newest_first_with_weights_and_the_live_mark():
@@ -273,7 +281,7 @@ def test_apply_of_an_invalid_file_never_reaches_the_cluster(tmp_path, capsys, mo
     def connect(**kwargs):
         raise AssertionError("connected to the cluster with an invalid file")
 
-    monkeypatch.setattr(cluster_config.Cluster, "connect", connect)
+    monkeypatch.setattr(cluster_store.Cluster, "connect", connect)
     bad = tmp_path / "bad.yaml"
     bad.write_text(CONFIG.replace("weight: 3", "weight: -3"))
     assert main(["config", "apply", str(bad)]) == 2
@@ -303,5 +311,5 @@ def test_replicas_or_queue_settings_rescale_an_arm_in_place():
     document = running_document()
     scaled = CONFIG.replace("{name: a, weight: 1}", "{name: a, weight: 1, replicas: 2}")
     assert scaled != CONFIG
-    changes = arm_changes(document, merge_arm_applications(document, parse_config(scaled)))
+    changes = application_changes(document, merge_arm_applications(document, parse_config(scaled)))
     assert (changes.redeployed, changes.rescaled, changes.removed) == ((), ("arm-a",), ())

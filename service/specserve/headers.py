@@ -17,8 +17,9 @@ RETRY_AFTER = "retry-after"
 # Response: the methods a route takes, on a 405.
 ALLOW = "allow"
 
-# Internal, between the dispatch (the router in each HTTP proxy) and the arms; a client's own
-# values are replaced or removed.
+# Internal, between the dispatch (the router in each HTTP proxy) and the arms: no client request
+# header under this prefix reaches an arm (the dispatch sets its own), and no config may name one.
+INTERNAL_PREFIX = "x-specserve-"
 # Request: seconds the arm may take for the whole request (the config's `request_timeout_s`).
 REQUEST_TIMEOUT_S = "x-specserve-request-timeout-s"
 # Request: where a stream cut by a dying replica stands, for the arm to resume it (wire/resume.py).

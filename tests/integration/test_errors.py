@@ -20,24 +20,18 @@ def assert_openai_error(response, status, *, param=None, contains=""):
         assert error["param"] == param
 
 
+# What the dispatch refuses before any arm is asked is checked case by case on the fake-arm
+# harness (tests/unit/test_dispatch_contract.py); here one smoke case each of bad JSON and an
+# unknown model, and what the arms' fronts refuse, against the real engines.
 @pytest.mark.parametrize(
     ("body", "status", "param", "contains"),
     [
         (b"{not json", 400, None, "not valid JSON"),
-        (b"[1, 2]", 400, None, "JSON object"),
         ({"model": MODEL}, 400, "messages", "required"),
-        ({"messages": MSG}, 400, "model", "required"),
         ({"model": "gpt-4", "messages": MSG}, 404, "model", "does not exist"),
-        ({"model": MODEL, "messages": MSG, "max_tokens": -5}, 400, "max_tokens", "positive"),
-        ({"model": MODEL, "messages": MSG, "max_tokens": 0}, 400, "max_tokens", "positive"),
-        ({"model": MODEL, "messages": MSG, "max_tokens": 10**9}, 400, "max_tokens", "at most"),
         ({"model": MODEL, "messages": "hello"}, 400, "messages", ""),
         ({"model": MODEL, "messages": MSG, "temperature": "hot"}, 400, "temperature", ""),
-        (b"[" * 5000 + b"]" * 5000, 400, None, "deeper than"),
-        (b'{"model": ' + b"[" * 100 + b"]" * 100 + b"}", 400, None, "deeper than"),
-        (b'{"model": "\xff\xfe"}', 400, None, "not valid JSON"),
         ({"model": MODEL, "messages": MSG, "temperature": -1}, 400, "temperature", ""),
-        ({"model": MODEL, "messages": MSG, "n": 10**6}, 400, "n", ""),
         ({"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 10**4}, 400, None, ""),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
@@ -105,13 +99,6 @@ def test_negative_token_ids_are_refused(live):
     assert_openai_error(response, 400, param="prompt.1", contains="greater than or equal to 0")
 
 
-def test_unknown_arm_override(live):
-    response = live.http.post(
-        CHAT, json={"model": MODEL, "messages": MSG}, headers={headers.ARM_OVERRIDE: "nope"}
-    )
-    assert_openai_error(response, 400, param=headers.ARM_OVERRIDE, contains="unknown arm")
-
-
 def test_internal_headers_cannot_be_forged_and_never_leak(live):
     """The router's own headers between proxy and arm: a client's values are replaced, and the
     arm's usage header never reaches the client."""
@@ -124,16 +111,17 @@ def test_internal_headers_cannot_be_forged_and_never_leak(live):
         assert headers.USAGE not in response.headers
 
 
-def test_arm_routes_are_internal(live):
-    """Clients reach an arm only through the router (unless the platform exposes the arms)."""
-    for path in ("/arms/no-spec/v1/chat/completions", "/arms/no-spec/vllm/v1/chat/completions"):
-        response = live.http.post(path, json={"model": MODEL, "messages": MSG, "max_tokens": 2})
-        assert_openai_error(response, 404, contains="no route")
-
-
-def test_body_too_large(live):
+def test_the_routers_own_refusals_reach_the_client_in_the_openai_shape(live):
+    """One smoke case each (the cases: tests/unit/test_dispatch_contract.py): an unknown arm
+    named, a body over the limit, and an arm's own route, which clients reach only through the
+    router unless the platform exposes the arms."""
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 2}
+    unknown = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "nope"})
+    assert_openai_error(unknown, 400, param=headers.ARM_OVERRIDE, contains="unknown arm")
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}
     assert_openai_error(live.http.post(CHAT, json=huge), 413, contains="limit")
+    for path in ("/arms/no-spec/v1/chat/completions", "/arms/no-spec/vllm/v1/chat/completions"):
+        assert_openai_error(live.http.post(path, json=body), 404, contains="no route")
 
 
 @pytest.mark.parametrize("arm", ["no-spec", "ngram"])

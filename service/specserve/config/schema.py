@@ -44,7 +44,6 @@ UNSTICKY_HEADERS = {
     "content-length": "describes the request, not the client",
 }
 # Every `x-specserve-*` header is the platform's own: set or removed by the dispatch.
-INTERNAL_HEADER_PREFIX = "x-specserve-"
 # Drafters shipped with the package are named by their directory under specserve/drafters.
 PACKAGE_SCHEME = "package://"
 PACKAGED_DRAFTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -461,8 +460,8 @@ class RoutingConfig(_Strict):
             )
         if name in UNSTICKY_HEADERS:
             raise ValueError(f"`{name}` {UNSTICKY_HEADERS[name]}")
-        if name.startswith(INTERNAL_HEADER_PREFIX):
-            raise ValueError(f"`{name}`: `{INTERNAL_HEADER_PREFIX}*` headers are the platform's")
+        if name.startswith(headers.INTERNAL_PREFIX):
+            raise ValueError(f"`{name}`: `{headers.INTERNAL_PREFIX}*` headers are the platform's")
         return name
 
 

@@ -115,19 +115,12 @@ logger = logging.getLogger(__name__)
 _TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
 _RESUME_FROM = headers.RESUME_FROM.encode()
 _CAPTURE = headers.CAPTURE.encode()
-# Request headers a client may not pass on to an arm: its key, the platform's own, and those
-# that steer Ray Serve.
+# Request headers a client may not pass on to an arm: its key, the platform's own (any under
+# the internal prefix, `_passes_to_arm`), and those that steer Ray Serve.
 _NOT_FORARMS = frozenset(
-    name.encode()
-    for name in (
-        headers.AUTHORIZATION,
-        headers.REQUEST_TIMEOUT_S,
-        headers.RESUME_FROM,
-        headers.CAPTURE,
-        headers.NO_CAPTURE,
-        *headers.RAY_SERVE_STEERING,
-    )
+    name.encode() for name in (headers.AUTHORIZATION, *headers.RAY_SERVE_STEERING)
 )
+_INTERNAL_PREFIX = headers.INTERNAL_PREFIX.encode()
 _REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 # A body larger than this is parsed in a thread, off the proxy's event loop (~1 ms of CPU).
 PARSE_OFF_LOOP_BYTES = 64 * 1024
@@ -829,7 +822,8 @@ def _arm_scope(
 
 
 def _passes_to_arm(name: bytes) -> bool:
-    if name in _NOT_FORARMS:
+    name = name.lower()
+    if name in _NOT_FORARMS or name.startswith(_INTERNAL_PREFIX):
         return False
     normalized = name.decode("latin-1").lower().replace("-", "_")
     return normalized != headers.RAY_SERVE_MULTIPLEXED_MODEL_ID

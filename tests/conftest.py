@@ -39,8 +39,6 @@ model:
 routing:
   session_header: x-session-id
   use_user_field: true
-  # The soak kills ngram's only engine replica: its requests are replayed on no-spec.
-  replay_on_another_arm: true
 limits:
   max_tokens: 512
   max_body_bytes: 200000

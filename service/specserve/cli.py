@@ -62,6 +62,12 @@ def _adapt_arguments() -> argparse.ArgumentParser:
     option("--validate-every", type=int, help="updates between validation passes (25)")
     option("--k", type=int, help="num_speculative_tokens to score at (3)")
     option("--held-out", type=float, help="share of prompts held out (0.2)")
+    option(
+        "--max-key-share",
+        type=float,
+        help="most of the captured rows one API key may make, where records name 2+ keys "
+        "(0.5; 1: no cap)",
+    )
     option("--max-scored", type=int, help="held-out prompts scored (64)")
     option("--original-per-set", type=int, help="original held-out prompts per set (12)")
     option("--eval-tokens", type=int, help="tokens per scored answer (128)")
@@ -672,6 +678,7 @@ def adapt_config(args: argparse.Namespace, base: str, target: str):
         train=replace(config.train, **train),
         **given(
             held_out_share=args.held_out,
+            max_key_share=args.max_key_share,
             replay_share=args.replay_share,
             threads=args.threads,
             workers=args.workers,

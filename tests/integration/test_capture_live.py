@@ -88,6 +88,7 @@ def test_sampled_requests_are_captured_as_the_engine_saw_them(live, restore_conf
         (ARM, "chat"),
         (ARM, "completions"),
     ]
+    assert {r.key for r in records} == {"test-admin"}  # the name of the key that sent them
     tokenizer = AutoTokenizer.from_pretrained(
         resolve_model_source(live.platform.loaded.config.model.source)
     )

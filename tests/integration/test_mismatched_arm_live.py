@@ -386,7 +386,10 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     # adapt: the captured requests, split by prompt; two Ray Train workers; weights moved.
     data = adapted["data"]
     assert data["captured"] == CAPTURED and data["held_out"] >= 8
-    assert data["training"] + data["validation"] + data["held_out"] == CAPTURED
+    # One key sent it all: nothing over a key's share; near-duplicates go, counted.
+    assert data["over_key_share"] == {} and set(data["keys"]) == {"test-admin"}
+    kept = CAPTURED - data["near_duplicates"]
+    assert data["training"] + data["validation"] + data["held_out"] == kept
     assert adapted["workers"] == 2
     candidate = Path(adapted["candidate"])
     assert re.fullmatch(r"eagle3-[0-9a-f]{12}", candidate.name)

@@ -8,7 +8,7 @@ import stat
 import time
 
 from specserve.capture import store
-from specserve.capture.store import Bounds, CaptureWriter, Record
+from specserve.capture.store import Bounds, CaptureWriter, Record, Sampled
 
 BIG = Bounds(max_records=100_000, max_age_s=86_400)
 
@@ -121,10 +121,12 @@ def test_purging_everything_also_deletes_adapts_copies_and_keeps_its_drafters(tm
     assert (work / "candidates").exists() and (drafters / "config.json").exists()
 
 
-def test_bounds_travel_in_a_header_and_nothing_else_passes_for_them():
-    bounds = Bounds(max_records=500, max_age_s=60.0, max_bytes=1 << 20)
-    assert Bounds.from_header(bounds.header()) == bounds
+def test_bounds_and_key_travel_in_a_header_and_nothing_else_passes_for_them():
+    sampled = Sampled(Bounds(max_records=500, max_age_s=60.0, max_bytes=1 << 20), "team-a")
+    assert Sampled.from_header(sampled.header()) == sampled
+    assert Sampled.from_header(Sampled(sampled.bounds).header()).key is None  # no keys
     for bad in (
+        '{"max_records": 5, "max_age_s": 1, "key": 7}',
         "",
         "{}",
         "[1]",
@@ -134,7 +136,7 @@ def test_bounds_travel_in_a_header_and_nothing_else_passes_for_them():
         '{"max_records": "x", "max_age_s": 1}',
     ):
         try:
-            Bounds.from_header(bad)
+            Sampled.from_header(bad)
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad!r}")
@@ -170,6 +172,6 @@ def test_a_writer_keeps_at_most_max_bytes_however_long_its_records(tmp_path):
     assert dropped == [1]  # the record a file could not hold, counted
 
 
-def test_bounds_from_a_router_that_sends_no_byte_cap_get_the_default():
+def test_bounds_from_a_router_that_sends_no_byte_cap_nor_key_get_the_default():
     old = '{"max_records": 500, "max_age_s": 60.0}'
-    assert Bounds.from_header(old) == Bounds(500, 60.0, store.DEFAULT_MAX_BYTES)
+    assert Sampled.from_header(old) == Sampled(Bounds(500, 60.0, store.DEFAULT_MAX_BYTES), None)

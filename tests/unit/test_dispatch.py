@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve import headers
-from specserve.capture.store import Bounds
+from specserve.capture.store import Bounds, Sampled
 from specserve.router import dispatch as dispatch_module
 from specserve.router.arm_states import ServeState
 from specserve.router.dispatch import Dispatch
@@ -406,7 +406,8 @@ def test_a_sampled_request_reaches_its_arm_with_the_capture_bounds_unless_opted_
 
     async def main():
         assert (await client.request(extra={headers.CAPTURE: "forged"}))[0] == 200
-        assert Bounds.from_header(sent()[capture].decode()) == Bounds(50, 60.0)
+        # The bounds, and the name of the key that sent it (team-a: PUBLIC_KEY's).
+        assert Sampled.from_header(sent()[capture].decode()) == Sampled(Bounds(50, 60.0), "team-a")
         await client.request(extra={headers.NO_CAPTURE: "1"})  # the client opts out
         assert capture not in sent() and no_capture not in sent()
         await client.request(key=ADMIN_KEY)  # its key opted out

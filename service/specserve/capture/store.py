@@ -55,31 +55,44 @@ class Record:
     # The sampling fields the request set (temperature, top_p, top_k; {}: the engine's
     # defaults for all three); None in records captured before they were kept.
     sampling: dict[str, float] | None = None
+    # The name of the API key that sent the request (wire/auth.py); None without keys, and in
+    # records captured before it was kept. Adapt bounds each key's share of what it learns.
+    key: str | None = None
 
 
 @dataclass(frozen=True)
 class Bounds:
     """How much one writer keeps: the arm's `capture` settings, sent with each sampled request
-    (the `x-specserve-capture` header) so a change applies without restarting an engine."""
+    (`Sampled`) so a change applies without restarting an engine."""
 
     max_records: int
     max_age_s: float
     max_bytes: int = DEFAULT_MAX_BYTES
 
+
+@dataclass(frozen=True)
+class Sampled:
+    """What the dispatch tells an arm of a request in its capture sample (the
+    `x-specserve-capture` header): the store's bounds and the name of the key that sent it."""
+
+    bounds: Bounds
+    key: str | None = None
+
     def header(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self.bounds), "key": self.key})
 
     @classmethod
-    def from_header(cls, value: str) -> Bounds:
-        """The bounds a header carries (one without `max_bytes`, from a router of the release
-        before, gets the default); ValueError for anything else."""
+    def from_header(cls, value: str) -> Sampled:
+        """What a header carries (one without `max_bytes` or `key`, from a router of an earlier
+        release, gets the default and no key); ValueError for anything else."""
         try:
             found = json.loads(value)
-            bounds = cls(
+            bounds = Bounds(
                 int(found["max_records"]),
                 float(found["max_age_s"]),
                 int(found.get("max_bytes", DEFAULT_MAX_BYTES)),
             )
+            key = found.get("key")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not capture bounds: {value[:100]!r}") from exc
         if (
@@ -88,7 +101,9 @@ class Bounds:
             or not 0 < bounds.max_age_s < float("inf")
         ):
             raise ValueError(f"capture bounds out of range: {value[:100]!r}")
-        return bounds
+        if key is not None and not isinstance(key, str):
+            raise ValueError(f"capture key not a name: {value[:100]!r}")
+        return cls(bounds, key)
 
 
 def shard_name(replica_id: str) -> str:

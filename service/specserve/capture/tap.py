@@ -43,9 +43,10 @@ class Tap:
         client_asked: bool,
         stream: bool,
         sampling: dict[str, float] | None = None,
+        key: str | None = None,
     ) -> None:
         self.arm, self.endpoint, self.client_asked = arm, endpoint, client_asked
-        self.sampling = sampling
+        self.sampling, self.key = sampling, key
         # vLLM's stream chunks name the id fields (null) even when no ids were asked for; a
         # whole answer is sent without null fields.
         self._blank = _set_null if stream else _remove
@@ -94,6 +95,7 @@ class Tap:
                     output_token_ids=output,
                     finish_reason=self._finish[index],
                     sampling=self.sampling,
+                    key=self.key,
                 )
             )
         return found

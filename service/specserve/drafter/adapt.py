@@ -2,9 +2,10 @@
 
     specserve drafter adapt --base package://eagle3.1 --captured ~/.cache/specserve/capture
 
-1. Captured answers (capture/store.py) become unique sequences, split by their prompt's
-   digest: a held-out slice (scored, never trained on), a validation slice (early stopping)
-   and the rest for training.
+1. Captured answers (capture/store.py) become unique sequences; near-duplicates go and no API
+   key keeps more than its share (curation.py); they are split by their prompt's digest: a
+   held-out slice (scored, never trained on), a validation slice (early stopping) and the rest
+   for training.
 2. A replay share of the original kind of training data (a `drafter build` work directory's
    answers; a small set is generated on first use where there is none) keeps the drafter from
    forgetting what it drafted well.
@@ -37,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specserve.drafter.curation import cap_key_share, drop_near_duplicates
 from specserve.drafter.evaluate import length_ratio
 from specserve.drafter.train import TrainConfig
 
@@ -57,6 +59,8 @@ class AdaptConfig:
     target_dir: str
     arm: str | None = None  # only this arm's records (default: every arm's)
     held_out_share: float = 0.2
+    # The most of the captured rows one API key may make, where records name 2+ keys (1: any).
+    max_key_share: float = 0.5
     validation_share: float = 0.1  # of what is not held out
     replay_share: float = 0.3  # of the training sequences
     replay_from: Path | None = None  # a `drafter build` work dir (answers.jsonl)
@@ -95,8 +99,8 @@ def _log(message: str) -> None:
 
 
 def captured_sequences(directory: Path, arm: str | None = None) -> list[dict]:
-    """The store's records as unique {prompt_token_ids, output_token_ids, kind, sampling} rows,
-    oldest first; answers shorter than MIN_OUTPUT_TOKENS are left out."""
+    """The store's records as unique {prompt_token_ids, output_token_ids, kind, sampling, key}
+    rows, oldest first; answers shorter than MIN_OUTPUT_TOKENS are left out."""
     from specserve.capture import store
 
     seen: set[str] = set()
@@ -114,6 +118,7 @@ def captured_sequences(directory: Path, arm: str | None = None) -> list[dict]:
                 "output_token_ids": record.output_token_ids,
                 "kind": f"captured:{record.arm}",
                 "sampling": record.sampling,
+                "key": record.key,
             }
         )
     return rows
@@ -363,22 +368,31 @@ def adapt(config: AdaptConfig) -> dict:
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
     rows = captured_sequences(config.captured, config.arm)
+    curated, near_duplicates = drop_near_duplicates(rows)
+    curated, over_share = cap_key_share(curated, config.max_key_share)
     training, validation, held_out = split_by_prompt(
-        rows, config.held_out_share, config.validation_share
+        curated, config.held_out_share, config.validation_share
     )
     _log(
-        f"{len(rows)} captured answers: {len(training)} to train on, {len(validation)} to "
-        f"validate, {len(held_out)} held out"
+        f"{len(rows)} captured answers, {near_duplicates} near-duplicates and "
+        f"{sum(over_share.values())} over a key's share left out: {len(training)} to train on, "
+        f"{len(validation)} to validate, {len(held_out)} held out"
     )
     if len(held_out) < MIN_HELD_OUT or not training:
         raise SystemExit(
             f"too little captured traffic in {config.captured}"
             + (f" for arm {config.arm}" if config.arm else "")
-            + f": {len(rows)} answers of {MIN_OUTPUT_TOKENS}+ tokens, {len(held_out)} held out "
+            + f": {len(rows)} answers of {MIN_OUTPUT_TOKENS}+ tokens, {len(curated)} once "
+            f"near-duplicates and keys over their share are left out, {len(held_out)} held out "
             f"(at least {MIN_HELD_OUT} needed); let capture run longer or raise its sample"
         )
     try:
-        return _adapt_on(config, base, rows, training, validation, held_out, started)
+        curation = {
+            "near_duplicates": near_duplicates,
+            "over_key_share": over_share,
+            "keys": _rows_per_key(curated),
+        }
+        return _adapt_on(config, base, rows, curation, training, validation, held_out, started)
     finally:
         # Copies of captured traffic live no longer than the run (`capture purge` and the arms'
         # `max_age_s` do not see them); the candidates and reports stay.
@@ -389,6 +403,7 @@ def _adapt_on(
     config: AdaptConfig,
     base: str,
     rows: list[dict],
+    curation: dict,
     training: list[dict],
     validation: list[dict],
     held_out: list[dict],
@@ -443,6 +458,7 @@ def _adapt_on(
         "accepted": None,
         "data": {
             "captured": len(rows),
+            **curation,
             "training": len(training),
             "validation": len(validation),
             "held_out": len(held_out),
@@ -462,6 +478,15 @@ def _adapt_on(
     (work / "adapt.json").write_text(json.dumps(report, indent=2))
     _log(("ACCEPTED: " if verdict.accepted else "REJECTED: ") + verdict.reason)
     return report
+
+
+def _rows_per_key(rows: list[dict]) -> dict[str, int]:
+    """Rows per key name ('' for rows without one)."""
+    found: dict[str, int] = {}
+    for row in rows:
+        name = row.get("key") or ""
+        found[name] = found.get(name, 0) + 1
+    return found
 
 
 def _replay_source(config: AdaptConfig, training: int) -> dict | None:

@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.llm import LLMConfig, LLMServer
 
 from specserve import headers
-from specserve.capture.store import Bounds, CaptureWriter
+from specserve.capture.store import Bounds, CaptureWriter, Sampled
 from specserve.capture.tap import Tap, sampling_of
 from specserve.config.settings import get_settings
 from specserve.metrics import CaptureMetrics
@@ -115,7 +115,7 @@ class ArmServer(LLMServer):
         if value is None:
             return None
         try:
-            bounds = Bounds.from_header(value)
+            sampled = Sampled.from_header(value)
         except ValueError:
             logger.warning("request %s: unreadable capture bounds; not captured", request_id())
             return None
@@ -123,13 +123,14 @@ class ArmServer(LLMServer):
         body.return_token_ids = True
         return CaptureTap(
             self._writer(),
-            bounds,
+            sampled.bounds,
             Tap(
                 self.arm,
                 endpoint,
                 client_asked=client_asked,
                 stream=bool(getattr(body, "stream", False)),
                 sampling=sampling_of(body),
+                key=sampled.key,
             ),
         )
 

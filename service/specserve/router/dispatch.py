@@ -42,7 +42,7 @@ from ray.serve._private.constants import SERVE_LOGGER_NAME
 from starlette.middleware import Middleware
 
 from specserve import headers, versions
-from specserve.capture.store import Bounds
+from specserve.capture.store import Bounds, Sampled
 from specserve.config.checks import check_engine_settings
 from specserve.config.schema import (
     ConfigError,
@@ -784,9 +784,9 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 def _capture(
     config: RouterConfig, arm: str, request_headers: dict[str, str], identity: Identity | None
-) -> Bounds | None:
-    """The capture store's bounds if this request is in its arm's capture sample: drawn at the
-    arm's rate, unless the client or its key opted out."""
+) -> Sampled | None:
+    """What the arm is told of this request if it is in its arm's capture sample (drawn at the
+    arm's rate, unless the client or its key opted out): the store's bounds and the key's name."""
     settings = (found := config.arm(arm)) and found.capture
     if not settings or request_headers.get(headers.NO_CAPTURE, "").strip() == "1":
         return None
@@ -796,7 +796,8 @@ def _capture(
             return None
     if random.random() >= settings.sample:
         return None
-    return Bounds(settings.max_records, settings.max_age_s, settings.max_bytes)
+    bounds = Bounds(settings.max_records, settings.max_age_s, settings.max_bytes)
+    return Sampled(bounds, identity.name if identity is not None else None)
 
 
 def _arm_scope(
@@ -805,7 +806,7 @@ def _arm_scope(
     timeout_s: float,
     resume: ResumePoint | None = None,
     *,
-    capture: Bounds | None = None,
+    capture: Sampled | None = None,
 ) -> Scope:
     """The request as the proxy routes it to the arm's application (resumed from `resume`; its
     token ids kept by the arm within `capture`'s bounds)."""

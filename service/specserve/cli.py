@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.05,
         help="the challenger goes once more of its requests than this fail (5xx)",
     )
+    loop_p.add_argument(
+        "--max-key-loss",
+        type=float,
+        default=0.1,
+        help="no promotion while one key's requests are slower on the challenger by more than "
+        "this share (0.1)",
+    )
     ends = loop_p.add_mutually_exclusive_group()
     ends.add_argument(
         "--abort",
@@ -492,6 +499,7 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         max_wait_s=args.max_wait_s,
         min_requests=args.min_requests,
         max_error_share=args.max_error_share,
+        max_key_loss=args.max_key_loss,
     )
     candidate = args.candidate
     if candidate is None:

@@ -71,6 +71,8 @@ class LoopConfig:
     # on the platform's side (5xx), counted from `min_error_requests` requests on.
     max_error_share: float = 0.05
     min_error_requests: int = 20
+    # No promotion while one key's segment is slower than this share (ab/report.py).
+    max_key_loss: float = 0.1
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Experiment:
             baseline=self.config.incumbent,
             alpha=self.config.alpha,
             min_requests=self.config.min_requests,
+            max_key_loss=self.config.max_key_loss,
         )
         report = build_report(self.prometheus, options, since, self.config.model)
         for row in report["arms"]:

@@ -258,20 +258,22 @@ class RouterMetrics:
             list(ACCEPTANCE_LENGTH_BUCKETS),
             arm,
         )
+        # Per key too: the A/B report reads each key's segment beside the whole arm.
         self.stat_count = Counter(
             REQUEST_STAT_COUNT,
-            "Weighted and sticky requests observed by the per-request histogram named by `stat`.",
-            (*arm, STAT),
+            "Weighted and sticky requests observed by the per-request histogram named by `stat`, "
+            "by the sending key's name.",
+            (*arm, STAT, KEY),
         )
         self.stat_sum = Counter(
             REQUEST_STAT_SUM,
-            "Exact sum of the observations of the per-request histogram named by `stat`.",
-            (*arm, STAT),
+            "Exact sum of the observations of the per-request histogram named by `stat`, by key.",
+            (*arm, STAT, KEY),
         )
         self.stat_squares = Counter(
             REQUEST_STAT_SQUARES,
-            "Sum of the squared observations of the per-request histogram named by `stat`.",
-            (*arm, STAT),
+            "Sum of the squared observations of the per-request histogram named by `stat`, by key.",
+            (*arm, STAT, KEY),
         )
         self.output_tokens = Counter(OUTPUT_TOKENS, "Generated tokens.", arm)
         self.drafts = Counter(SPEC_DRAFTS, "Speculative verify steps (drafts proposed).", arm)
@@ -475,36 +477,46 @@ class RouterMetrics:
         tpot_s: float | None,
         output_tokens: int,
         randomized: bool = True,
+        key: str = NO_KEY,
     ) -> None:
         """One successful request: latencies (TTFT and TPOT only when streamed) and tokens;
-        `randomized` ones also in the A/B statistics."""
+        `randomized` ones also in the A/B statistics, under the name of the key that sent it."""
         tags = self._tags(arm)
         self.e2e_latency.observe(e2e_s, tags)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s, tags)
         if tpot_s is not None:
             self._observe_with_square(
-                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s, randomized
+                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s, randomized, key
             )
         if output_tokens:
             self.output_tokens.inc(output_tokens, tags)
             if e2e_s > 0:
                 speed = output_tokens / e2e_s
                 self._observe_with_square(
-                    self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed, randomized
+                    self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed, randomized, key
                 )
 
     def _observe_with_square(
-        self, histogram: Histogram, name: str, arm: str, x: float, randomized: bool
+        self,
+        histogram: Histogram,
+        name: str,
+        arm: str,
+        x: float,
+        randomized: bool,
+        key: str,
     ) -> None:
         histogram.observe(x, self._tags(arm))
         if randomized:
-            self.stat_count.inc(1, self._tags(arm, **{STAT: name}))
+            tags = self._tags(arm, **{STAT: name, KEY: key})
+            self.stat_count.inc(1, tags)
             if x > 0:  # Ray's counters refuse increments of 0
-                self.stat_sum.inc(x, self._tags(arm, **{STAT: name}))
-                self.stat_squares.inc(x * x, self._tags(arm, **{STAT: name}))
+                self.stat_sum.inc(x, tags)
+                self.stat_squares.inc(x * x, tags)
 
-    def observe_spec_decode(self, arm: str, stats: dict, randomized: bool = True) -> None:
+    def observe_spec_decode(
+        self, arm: str, stats: dict, randomized: bool = True, key: str = NO_KEY
+    ) -> None:
         """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
         tags = self._tags(arm)
         for counter, key in (
@@ -518,7 +530,7 @@ class RouterMetrics:
         if steps:
             length = 1 + int(stats.get("num_accepted_draft_tokens") or 0) / steps
             self._observe_with_square(
-                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length, randomized
+                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length, randomized, key
             )
         per_position = accepted_per_position(stats.get("acceptance_histogram") or [])
         for position, accepted in enumerate(per_position):

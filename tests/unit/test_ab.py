@@ -132,6 +132,33 @@ def test_verdicts_follow_the_primary_figure():
     assert "slow: roll back: slower" in text and "fast: promote" in text
 
 
+def test_a_promotion_waits_while_one_keys_requests_lose_more_than_their_share():
+    """Faster overall, carried by two keys; a third key's requests are 30 % slower on it."""
+    rng = np.random.default_rng(5)
+
+    def speeds(mean, n):
+        return mean * rng.lognormal(0, 0.2, n)
+
+    base_keys = {"a": speeds(30, 300), "b": speeds(30, 300), "c": speeds(30, 150)}
+    new_keys = {"a": speeds(45, 300), "b": speeds(45, 300), "c": speeds(21, 150)}
+
+    def with_keys(keys: dict) -> ArmTotals:
+        totals = arm(1, 750, np.concatenate(list(keys.values())))
+        totals.by_key = {key: moments(values) for key, values in keys.items()}
+        return totals
+
+    arms = {"no-spec": with_keys(base_keys), "new": with_keys(new_keys)}
+    row = compare(arms, {}, {}, Options(baseline="no-spec"))["arms"][1]
+    assert row["tokens_per_s"]["difference"]["low"] > 0  # faster overall, with confidence
+    assert row["by_key"]["c"]["relative"] == pytest.approx(-0.3, abs=0.06)
+    assert row["verdict"] == KEEP_TESTING and "key c's requests" in row["reason"]
+    # A looser bound lets it through; so does a key segment too small to read.
+    loose = compare(arms, {}, {}, Options(baseline="no-spec", max_key_loss=0.5))["arms"][1]
+    assert loose["verdict"] == PROMOTE
+    few = Options(baseline="no-spec", min_requests=200)
+    assert compare(arms, {}, {}, few)["arms"][1]["verdict"] == PROMOTE
+
+
 def test_a_split_that_does_not_follow_the_weights_is_flagged_and_blocks_a_verdict():
     rng = np.random.default_rng(3)
     arms = {

@@ -53,7 +53,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.count_reload(m.RELOAD_INVALID)
     metrics.count_selection("a", m.SELECTED_BY_STICKY, fallback_from="b")
     metrics.count_request("a", "chat", m.OUTCOME_OK)
-    metrics.observe_request("a", e2e_s=0.3, ttft_s=0.02, tpot_s=0.03, output_tokens=7)
+    metrics.observe_request("a", e2e_s=0.3, ttft_s=0.02, tpot_s=0.03, output_tokens=7, key="team-a")
     stats = {
         "acceptance_histogram": [1, 0, 1, 2],
         "num_spec_steps": 4,
@@ -123,16 +123,17 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert value(m.TIME_TO_FIRST_TOKEN + "_bucket", arm="a", le="0.01") == 0
     assert value(m.TIME_PER_OUTPUT_TOKEN + "_count", arm="a") == 1
 
-    # The per-request figures the A/B report compares, each with its exact sum and squares.
-    def moments(stat):
+    # The per-request figures the A/B report compares, each with its exact sum and squares,
+    # under the sending key's name (the spec-decode stats came without one).
+    def moments(stat, key="team-a"):
         return (
             value(stat + "_count", arm="a"),
-            value(m.REQUEST_STAT_SUM + "_total", arm="a", stat=stat),
-            value(m.REQUEST_STAT_SQUARES + "_total", arm="a", stat=stat),
+            value(m.REQUEST_STAT_SUM + "_total", arm="a", stat=stat, key=key),
+            value(m.REQUEST_STAT_SQUARES + "_total", arm="a", stat=stat, key=key),
         )
 
     assert moments(m.REQUEST_OUTPUT_SPEED) == pytest.approx((1, 7 / 0.3, (7 / 0.3) ** 2))
-    assert moments(m.REQUEST_ACCEPTANCE_LENGTH) == (1, 3, 9)
+    assert moments(m.REQUEST_ACCEPTANCE_LENGTH, key=m.NO_KEY) == (1, 3, 9)
     assert moments(m.TIME_PER_OUTPUT_TOKEN) == pytest.approx((1, 0.03, 0.03**2))
     # Only the active revision and the configured arms remain.
     assert value(m.CONFIG_INFO, revision="rev2") == 1

@@ -20,6 +20,7 @@ from specserve.metrics import (
     ARM_WEIGHT,
     CONFIG_INFO,
     EXPORT_PREFIX,
+    KEY,
     OUTCOME,
     OUTCOME_SERVER_ERROR,
     POSITION,
@@ -74,6 +75,8 @@ class ArmTotals:
     # Requests the weights or a sticky key sent here (override requests are not randomized).
     randomized: float = 0.0
     stats: dict[str, Moments] = field(default_factory=dict)
+    # The primary figure (per-user tokens/s) per sending key's name: each key's segment.
+    by_key: dict[str, Moments] = field(default_factory=dict)
     drafts: float = 0.0
     accepted_per_position: list[float] = field(default_factory=list)
     drafted_per_position: list[float] = field(default_factory=list)
@@ -151,20 +154,28 @@ class Prometheus:
         randomized = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
         for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=randomized):
             arms[labels[ARM]].randomized = value
-        for stat in AB_STATS:
-            parts: dict[str, dict[str, float]] = defaultdict(dict)
+
+        def moments(stat: str, by: str) -> dict[tuple[str, ...], Moments]:
+            parts: dict[tuple[str, ...], dict[str, float]] = defaultdict(dict)
             for part, counter in (
                 ("n", REQUEST_STAT_COUNT),
                 ("sum", REQUEST_STAT_SUM),
                 ("squares", REQUEST_STAT_SQUARES),
             ):
-                for labels, value in increase(_name(counter) + "_total", extra=f',{STAT}="{stat}"'):
-                    parts[labels[ARM]][part] = value
-            for arm, got in parts.items():
-                if got.get("n", 0) > 0:
-                    arms[arm].stats[stat] = Moments(
-                        got["n"], got.get("sum", 0.0), got.get("squares", 0.0)
-                    )
+                found = increase(_name(counter) + "_total", by=by, extra=f',{STAT}="{stat}"')
+                for labels, value in found:
+                    parts[tuple(labels.get(name, "") for name in by.split(","))][part] = value
+            return {
+                group: Moments(got["n"], got.get("sum", 0.0), got.get("squares", 0.0))
+                for group, got in parts.items()
+                if got.get("n", 0) > 0
+            }
+
+        for stat in AB_STATS:
+            for (arm,), found in moments(stat, ARM).items():
+                arms[arm].stats[stat] = found
+        for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, f"{ARM},{KEY}").items():
+            arms[arm].by_key[key] = found
         for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
             arms[labels[ARM]].drafts = value
         for metric, attribute in (

@@ -6,6 +6,11 @@ and mean acceptance length, each as a difference from the baseline with an alway
 confidence interval (specserve/ab/sequential.py: safe to read at any time, as often as wanted),
 a verdict with its reason, the `num_speculative_tokens` its per-position acceptance suggests,
 and its speedup per load band. The unit of every comparison is the request.
+
+Per key too: where two API keys or more sent `min_requests` to both the arm and the baseline,
+each key's segment gets its own per-user tokens/s difference, and a promotion is held back
+(keep testing) while a segment's estimate is below -`max_key_loss`: one tenant made slower by
+more than that is not outvoted by the others.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Options:
     relative_tau: float = 0.1
     min_requests: int = 30
     draft_cost: float = 0.1
+    # A key segment slower than the baseline by more than this share holds a promotion back.
+    max_key_loss: float = 0.1
     # `<arm>.json` round costs (bench.round_cost, `specserve tune`): with them the k advisor
     # recommends a k schedule, as `specserve tune` derives it.
     round_costs: Path | None = None
@@ -94,6 +101,8 @@ def compare(
                     mine, theirs, alpha=options.alpha, relative_tau=options.relative_tau
                 )
                 row[key]["difference"] = _interval(interval, theirs.value())
+        if name != options.baseline:
+            row["by_key"] = key_segments(arm, base, options)
         row["suggested_k"] = suggest_k(arm, options.draft_cost)
         row["suggested_schedule"] = suggest_schedule(name, arm, options.round_costs)
         row["speedup_by_load"] = speedup_by_load(
@@ -103,6 +112,20 @@ def compare(
             row["verdict"], row["reason"] = verdict(row, base_n=_n(base), options=options)
         rows.append(row)
     return {"arms": rows}
+
+
+def key_segments(arm: ArmTotals, base: ArmTotals, options: Options) -> dict[str, Any]:
+    """Per-user tokens/s of each key's requests against the baseline's requests of the same
+    key, for keys with `min_requests` in both; {} where fewer than two keys qualify (one key's
+    segment is the whole arm)."""
+    segments = {}
+    for key, mine in sorted(arm.by_key.items()):
+        theirs = base.by_key.get(key)
+        if theirs is None or min(mine.n, theirs.n) < options.min_requests:
+            continue
+        interval = difference(mine, theirs, alpha=options.alpha, relative_tau=options.relative_tau)
+        segments[key] = {"requests": mine.n} | _interval(interval, theirs.value())
+    return segments if len(segments) >= 2 else {}
 
 
 def _moments(arm: ArmTotals, metric: str) -> Moments | None:
@@ -220,6 +243,18 @@ def verdict(row: dict[str, Any], base_n: float, options: Options) -> tuple[str, 
         f"(CI {speed['relative_low']:+.1%} to {speed['relative_high']:+.1%})"
     )
     if speed["low"] > 0:
+        losing = {
+            key: segment
+            for key, segment in row.get("by_key", {}).items()
+            if segment["relative"] < -options.max_key_loss
+        }
+        if losing:
+            worst = min(losing, key=lambda key: losing[key]["relative"])
+            return KEEP_TESTING, (
+                f"faster overall ({shown}), but key {worst}'s requests "
+                f"{losing[worst]['relative']:+.1%} (more than the {options.max_key_loss:.0%} "
+                f"a key may lose)"
+            )
         return PROMOTE, f"faster: {shown}"
     if speed["high"] < 0:
         return ROLL_BACK, f"slower: {shown}"
@@ -326,6 +361,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--min-requests", type=int, default=30)
     parser.add_argument(
+        "--max-key-loss",
+        type=float,
+        default=0.1,
+        help="a promotion waits while one key's requests are slower than the baseline's by more "
+        "than this share (0.1)",
+    )
+    parser.add_argument(
         "--draft-cost",
         type=float,
         default=0.1,
@@ -353,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         args.tau,
         args.min_requests,
         args.draft_cost,
+        args.max_key_loss,
         args.round_costs,
     )
     prom = Prometheus(args.prometheus)

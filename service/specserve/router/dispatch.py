@@ -437,6 +437,8 @@ class DispatchState:
                 # Who is asking, before anything of theirs is read.
                 request_headers = _headers(scope)
                 identity = self._admit(request_headers, config)
+                if identity is not None:
+                    record.key = identity.name
                 raw = await _read_body(request_headers, receive, config.limits)
                 if len(raw) > PARSE_OFF_LOOP_BYTES:
                     data = await asyncio.to_thread(parse_body, raw)

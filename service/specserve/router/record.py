@@ -8,6 +8,7 @@ from typing import Any
 
 from specserve.metrics import (
     NO_ARM,
+    NO_KEY,
     OUTCOME_CLIENT_ERROR,
     OUTCOME_OK,
     OUTCOME_REJECTED,
@@ -54,6 +55,7 @@ class RequestRecord:
     finished: bool = False
     # Chosen by the weights or a sticky key (not forced): only these feed the A/B statistics.
     randomized: bool = True
+    key: str = NO_KEY  # the sending key's name, the A/B statistics' segment
     # Told the draft stats of each successful request (the acceptance guardrail).
     guard: AcceptanceGuard | None = None
     in_flight: InFlight | None = None
@@ -89,9 +91,12 @@ class RequestRecord:
             tpot_s=tpot_s,
             output_tokens=self.output_tokens,
             randomized=self.randomized,
+            key=self.key,
         )
         if self.spec_decode:
-            metrics.observe_spec_decode(self.arm, self.spec_decode, randomized=self.randomized)
+            metrics.observe_spec_decode(
+                self.arm, self.spec_decode, randomized=self.randomized, key=self.key
+            )
             if self.guard is not None and self.guard.observe(
                 self.arm,
                 int(self.spec_decode.get("num_spec_steps") or 0),

@@ -34,6 +34,7 @@ import pytest
 from safetensors.torch import load_file
 
 from specserve import headers, loop
+from specserve.ab.prometheus import Prometheus
 from specserve.ab.report import PROMOTE
 from specserve.capture import store
 from specserve.config.schema import load_config
@@ -75,6 +76,10 @@ def mismatched_arm(live, mismatched_drafter):
 
 REQUESTS = 72
 TOPICS = ("the moon", "rivers", "bread", "a lighthouse", "winter", "bees", "trains", "chess")
+
+
+def rows_of(report: dict) -> dict[str, dict]:
+    return {row["arm"]: row for row in report["arms"]}
 
 
 def stream_once(live, topic: str) -> str:
@@ -147,10 +152,17 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
         print(run.stdout, run.stderr)
         assert run.returncode == 0, run.stderr
         report = json.loads(out.read_text())
+        # Each key's segment, as Prometheus holds it: one key here (the report shows segments
+        # from two keys on: tests/unit/test_ab.py).
+        totals = Prometheus(prometheus.url).totals(report["model"], since, report["now"])
     finally:
         live.write_config(original)
 
-    rows = {row["arm"]: row for row in report["arms"]}
+    for arm, count in counts.items():
+        assert set(totals[arm].by_key) == {"test-admin"}
+        assert totals[arm].by_key["test-admin"].n == pytest.approx(count, rel=0.06)
+    rows = rows_of(report)
+    assert rows[MISMATCHED]["by_key"] == {}  # one key: its segment is the whole arm
     assert report["baseline"] == "no-spec" and set(rows) >= {"no-spec", MISMATCHED}
     worse = rows[MISMATCHED]
     # Every request of the experiment counted, in the arm that served it.

@@ -98,3 +98,43 @@ def pod_specs(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render_objects(profile: str = "cpu", **overrides: Any) -> list[dict[str, Any]]:
     values = generate._merge(generate.profile_values(profile), overrides)
     return generate.objects(generate.render(values))
+
+
+# Offline Helm's `lookup` finds nothing: these calls of the chart are replaced by the objects an
+# upgrade's render would find.
+LIVE_RAYSERVICE = 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname'
+LIVE_CONFIGMAP = 'lookup "v1" "ConfigMap" .Release.Namespace (include "specserve.configMapName" .)'
+
+
+def render_upgrade(
+    values: dict[str, Any],
+    running: dict[str, Any],
+    tmp_path,
+    live_config: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, str]:
+    """An upgrade's render with `running` as the live RayService (and `live_config` as the live
+    router ConfigMap). Offline Helm's `lookup` finds nothing, so a copy of the chart has those
+    calls replaced by the objects they would return."""
+    import json
+
+    import helm_python as helm
+
+    chart = tmp_path / "chart"
+    shutil.copytree(generate.CHART, chart)
+    for file, call, found in (
+        ("rayservice.yaml", LIVE_RAYSERVICE, running),
+        ("_helpers.tpl", LIVE_CONFIGMAP, live_config or {}),
+    ):
+        template = chart / "templates" / file
+        text = template.read_text()
+        assert text.count(call) == 1, (file, call)
+        template.write_text(text.replace(call, f"fromJson `{json.dumps(found)}`"))
+    return helm.Chart.load(str(chart)).render(
+        values,
+        name=name or generate.RELEASE,
+        namespace=namespace or generate.NAMESPACE,
+        is_upgrade=True,
+    )

@@ -7,6 +7,7 @@ lengths KubeRay accepts, and draining a Ray pod before it stops."""
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 from typing import Any
@@ -21,6 +22,7 @@ from tests.deploy.conftest import (
     one,
     pod_specs,
     render_objects,
+    render_upgrade,
     validate_all,
 )
 from tests.deploy.test_k8s import kustomize
@@ -150,27 +152,6 @@ def test_gb200_upgrades_in_place_and_the_incremental_strategy_is_not_offered():
     assert "upgradeStrategy: None" in (ROOT / "docs" / "kubernetes.md").read_text()
 
 
-LIVE_RAYSERVICE = 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname'
-
-
-def render_upgrade(values: dict[str, Any], running: dict[str, Any], tmp_path) -> dict[str, str]:
-    """An upgrade's render with `running` as the live RayService. Offline Helm's `lookup` finds
-    nothing, so a copy of the chart has that one call replaced by the object it would return."""
-    import json
-
-    import helm_python as helm
-
-    chart = tmp_path / "chart"
-    shutil.copytree(generate.CHART, chart)
-    template = chart / "templates" / "rayservice.yaml"
-    text = template.read_text()
-    assert text.count(LIVE_RAYSERVICE) == 1
-    template.write_text(text.replace(LIVE_RAYSERVICE, f"fromJson `{json.dumps(running)}`"))
-    return helm.Chart.load(str(chart)).render(
-        values, name=generate.RELEASE, namespace=generate.NAMESPACE, is_upgrade=True
-    )
-
-
 def test_under_upgrade_strategy_none_a_change_of_the_running_clusters_spec_is_refused(tmp_path):
     """KubeRay applies a new Serve config to the running cluster and leaves a changed cluster
     spec unapplied under None: new code in old pods. The chart refuses such an upgrade, and
@@ -200,6 +181,68 @@ def test_under_upgrade_strategy_none_a_change_of_the_running_clusters_spec_is_re
     # Under NewCluster KubeRay rolls the cluster: nothing to refuse.
     rolled = generate._merge(image, {"ray": {"upgradeStrategy": "NewCluster"}})
     assert one(generate.objects(render_upgrade(rolled, running, tmp_path / "new")), "RayService")
+
+
+def router_configmap(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [
+        o
+        for o in objs
+        if o["kind"] == "ConfigMap"
+        and o["metadata"]["labels"].get("app.kubernetes.io/component") == "router-config"
+    ]
+    return found
+
+
+def test_an_upgrade_renders_back_what_config_apply_wrote_unless_the_values_config_changed(
+    tmp_path,
+):
+    """After `specserve config apply` (a weight and an arm's k changed), `helm upgrade` with the
+    same values' config renders the live ConfigMap's text and the live serveConfigV2 byte for
+    byte: neither reverted, nor in conflict with the fields `config apply` owns. Values whose
+    config changed are rendered (the operator forces them); so are those of an older chart's
+    ConfigMap, which carries no values revision."""
+    from specserve.config.schema import parse_config, revision_of
+    from specserve.config.serve_config import dump_serve_config, merge_arm_applications
+
+    installed = chart_values("cpu")
+    objs = generate.objects(generate.render(installed))
+    configmap, running = router_configmap(objs), one(objs, "RayService")
+    # What `config apply` writes (config/cluster_store.py): the file, its revision, the arms.
+    applied = configmap["data"]["config.yaml"].replace("weight: 25", "weight: 40", 1)
+    applied = applied.replace("num_speculative_tokens: 1", "num_speculative_tokens: 2", 1)
+    assert applied.count("weight: 40") == 1 and "num_speculative_tokens: 2" in applied
+    live = copy.deepcopy(configmap)
+    live["data"]["config.yaml"] = applied
+    live["metadata"]["annotations"]["specserve.io/revision"] = revision_of(applied.encode())
+    document = yaml.safe_load(running["spec"]["serveConfigV2"])
+    merged = dump_serve_config(merge_arm_applications(document, parse_config(applied)))
+    assert merged != running["spec"]["serveConfigV2"]  # an arm changed: its application too
+    running = copy.deepcopy(running)
+    running["spec"]["serveConfigV2"] = merged
+
+    # The same values, another setting changed: what config apply wrote stays, to the byte.
+    upgraded = generate._merge(installed, {"router": {"configPollSeconds": 2}})
+    objs = generate.objects(render_upgrade(upgraded, running, tmp_path / "same", live))
+    kept = router_configmap(objs)
+    assert kept["data"]["config.yaml"] == applied
+    assert kept["metadata"]["annotations"]["specserve.io/revision"] == revision_of(applied.encode())
+    served = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    arms = {app["name"]: app for app in served["applications"]}
+    assert arms["arm-eagle3"]["args"]["arm"]["speculative"]["num_speculative_tokens"] == 2
+    unchanged = generate.objects(render_upgrade(installed, running, tmp_path / "none", live))
+    assert one(unchanged, "RayService")["spec"]["serveConfigV2"] == merged  # shared, not fought
+
+    # The values' config changed: the operator's (helm upgrade --force-conflicts) wins.
+    config = installed["config"]
+    reweighted = {**config, "arms": [{**arm, "weight": 10} for arm in config["arms"]]}
+    changed = generate._merge(installed, {"config": reweighted})
+    objs = generate.objects(render_upgrade(changed, running, tmp_path / "changed", live))
+    text = router_configmap(objs)["data"]["config.yaml"]
+    assert text != applied and [a["weight"] for a in yaml.safe_load(text)["arms"]] == [10] * 4
+    # A ConfigMap an older chart rendered (no values revision): the values', as before.
+    del live["metadata"]["annotations"]["specserve.io/values-revision"]
+    objs = generate.objects(render_upgrade(installed, running, tmp_path / "older", live))
+    assert router_configmap(objs)["data"] == configmap["data"]
 
 
 # 4. Engines off the head

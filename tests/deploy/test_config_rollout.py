@@ -25,7 +25,7 @@ from specserve.cli import main
 from specserve.config.cluster_store import FIELD_MANAGER
 from specserve.config.schema import parse_config, revision_of
 from specserve.config.serve_config import ROUTER_APP_NAME, serve_config
-from tests.deploy.conftest import generate
+from tests.deploy.conftest import generate, render_upgrade
 from tests.deploy.kube_standin import CONFIGMAPS as configmaps
 from tests.deploy.kube_standin import RAYSERVICES as rayservices
 from tests.deploy.kube_standin import ApiError, KubeStandin
@@ -451,6 +451,27 @@ def chart_objects(**values) -> list[dict]:
     return [{**o, "metadata": {**o["metadata"], "namespace": NAMESPACE}} for o in found]
 
 
+def chart_upgrade_objects(standin: KubeStandin, tmp_path, **values) -> list[dict]:
+    """As `chart_objects`, rendered as `helm upgrade` renders it: `lookup` finds the live
+    ConfigMap and RayService in the stand-in."""
+    merged = generate._merge(generate.profile_values("cpu"), values)
+    rendered = render_upgrade(
+        merged,
+        standin.get("rayservices", NAMESPACE, SERVICE),
+        tmp_path,
+        standin.get("configmaps", NAMESPACE, LIVE),
+        name=RELEASE,
+        namespace=NAMESPACE,
+    )
+    found = [
+        o
+        for o in generate.objects(rendered)
+        if o["kind"] == "RayService"
+        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router-config"
+    ]
+    return [{**o, "metadata": {**o["metadata"], "namespace": NAMESPACE}} for o in found]
+
+
 def helm(standin: KubeStandin, objects: list[dict], *, force_conflicts: bool = False) -> None:
     """`helm install | upgrade | rollback` of Helm 4: every rendered object applied server-side,
     whole, by field manager `helm`, with force only under `--force-conflicts`."""
@@ -490,6 +511,31 @@ def test_helm_upgrade_and_rollback_beside_config_apply(standin, tmp_path, capsys
     service_owners = standin.owners("rayservices", NAMESPACE, SERVICE)
     assert service_owners[("specserve", "Apply")] == {".spec.serveConfigV2"}
     assert {k for k in service_owners if k[0] == "specserve"} == {("specserve", "Apply")}
+
+    # helm upgrade with the values' config as installed (the image moved on): the chart renders
+    # the live config and Serve config back, so Helm shares the fields: no conflict, nothing
+    # reverted, no arm redeployed.
+    same = chart_upgrade_objects(standin, tmp_path / "same", image={"tag": "0.2.0-cpu"})
+    helm(standin, same)
+    assert live_text(standin) == drafter
+    eagle3 = apps(serve_document(standin))["arm-eagle3"]["args"]["arm"]["speculative"]
+    assert eagle3["num_speculative_tokens"] == 3
+    assert standin.owners("configmaps", NAMESPACE, LIVE)[("specserve", "Apply")] == (
+        SPECSERVE_FIELDS
+    )
+    # A router setting changed too: serveConfigV2 differs, so Helm must force it, and the arms
+    # stay as `config apply` left them.
+    polled = chart_upgrade_objects(standin, tmp_path / "polled", router={"configPollSeconds": 3.0})
+    with pytest.raises(ApiError) as refused:
+        helm(standin, polled)
+    assert {c["field"] for c in refused.value.status()["details"]["causes"]} == {
+        ".spec.serveConfigV2"
+    }
+    helm(standin, polled, force_conflicts=True)
+    assert live_text(standin) == drafter
+    eagle3 = apps(serve_document(standin))["arm-eagle3"]["args"]["arm"]["speculative"]
+    assert eagle3["num_speculative_tokens"] == 3
+    assert apps(serve_document(standin))[ROUTER_APP_NAME]["args"]["config_poll_s"] == 3.0
 
     # helm upgrade (a new weight and router setting in the values): refused, as Helm 4 refuses
     # it without --force-conflicts, naming the fields and their manager; nothing changes.

@@ -67,10 +67,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* The revision of the router config file the ConfigMap holds (toYaml's text plus the newline
-the block scalar keeps): the first 12 hex digits of its SHA-256, as the routers compute it. */}}
+{{/* The router config file of the values (toYaml's text and a final newline). */}}
+{{- define "specserve.valuesConfigText" -}}
+{{- printf "%s\n" (toYaml .Values.config) }}
+{{- end }}
+
+{{/* The revision of a config file's text: the first 12 hex digits of its SHA-256, as the routers
+compute it. */}}
+{{- define "specserve.valuesConfigRevision" -}}
+{{- include "specserve.valuesConfigText" . | sha256sum | trunc 12 }}
+{{- end }}
+
+{{/* The router config file the chart renders. The values' `config`, unless the live ConfigMap was
+last rendered from these same values (its `specserve.io/values-revision`) and holds another
+config since: one that `specserve config apply`, a rollback or the loop wrote. That one is
+rendered back byte for byte, so an upgrade that leaves the values' config as it was neither
+reverts it nor conflicts with the field `config apply` owns; an upgrade that changes the values'
+config is the operator's to force (`--force-conflicts`, docs/kubernetes.md). Offline (no
+cluster to look up) and at install: the values'. */}}
+{{- define "specserve.configText" -}}
+{{- $live := lookup "v1" "ConfigMap" .Release.Namespace (include "specserve.configMapName" .) | default dict }}
+{{- $text := include "specserve.valuesConfigText" . }}
+{{- if eq (dig "metadata" "annotations" "specserve.io/values-revision" "" $live) (include "specserve.valuesConfigRevision" .) }}
+{{- $text = dig "data" "config.yaml" $text $live }}
+{{- end }}
+{{- $text }}
+{{- end }}
+
+{{/* The revision of the config the chart renders (specserve.configText). */}}
 {{- define "specserve.configRevision" -}}
-{{- printf "%s\n" (toYaml .Values.config) | sha256sum | trunc 12 }}
+{{- include "specserve.configText" . | sha256sum | trunc 12 }}
 {{- end }}
 
 {{/* Refuse what the schema cannot express, with the key that is wrong. */}}
@@ -196,6 +222,7 @@ unset, as in config.py). */}}
 {{/* The Serve config (router app + one app per arm): `specserve config serve-config` renders the
 same document from the same router config; a test keeps the two equal. */}}
 {{- define "specserve.serveConfig" -}}
+{{- $config := include "specserve.configText" . | fromYaml }}
 {{- $routerArgs := dict "config_path" "/etc/specserve/config.yaml" "config_poll_s" .Values.router.configPollSeconds "replicas" .Values.router.replicas }}
 {{- /* The key files of the mounted Secret (config/serve_config.py's MOUNTED_KEYS_DIR): the dispatch in
 every HTTP proxy reads them and re-reads them when kubelet updates the mount. */}}
@@ -209,15 +236,16 @@ every HTTP proxy reads them and re-reads them when kubelet updates the mount. */
 {{- $routerDeployment := dict "name" "router" "ray_actor_options" (dict "num_cpus" 0) }}
 {{- $router := dict "name" "specserve" "route_prefix" "/" "import_path" "specserve.router.ingress:build_app" "args" $routerArgs "deployments" (list $routerDeployment) }}
 {{- $apps := list $router }}
-{{- range .Values.config.arms }}
+{{- range $config.arms }}
 {{- /* The arm's keys the router applies itself or that are deployment options are no engine
-args (ArmEngineConfig refuses them): the list is generated from config.py (_generated.tpl). */}}
+args (ArmEngineConfig refuses them): the list is generated from config/schema.py
+(_generated.tpl). */}}
 {{- $engineArm := deepCopy . }}
 {{- range splitList " " (include "specserve.notEngineArgs" $) }}{{- $_ := unset $engineArm . }}{{- end }}
-{{- $args := dict "model" $.Values.config.model "arm" $engineArm }}
+{{- $args := dict "model" $config.model "arm" $engineArm }}
 {{- $app := dict "name" (printf "arm-%s" .name) "route_prefix" (printf "/arms/%s" .name) "import_path" "specserve.engine.arm:build_app" "args" $args }}
-{{- /* Replica and queue settings as deployment options, named as Ray Serve names them (config.py's
-DEPLOYMENT_OPTIONS): Ray Serve applies them in place. */}}
+{{- /* Replica and queue settings as deployment options, named as Ray Serve names them
+(config/schema.py's DEPLOYMENT_OPTIONS): Ray Serve applies them in place. */}}
 {{- $arm := . }}
 {{- $options := dict }}
 {{- range $key, $option := dict "replicas" "num_replicas" "max_ongoing_requests" "max_ongoing_requests" "max_queued_requests" "max_queued_requests" "max_surge_percent" "max_surge_percent" }}

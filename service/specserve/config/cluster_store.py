@@ -20,9 +20,11 @@ under their own field manager, `specserve` (`FIELD_MANAGER`), with `force=true`,
 `data.config.yaml` and the `specserve.io/revision` annotation of the live ConfigMap and, once an
 arm changed, `spec.serveConfigV2` of the RayService: they take those fields from Helm and from
 whoever else set them (a write that raced ours still fails, on the resourceVersion each apply
-carries). A later `helm upgrade` or `helm rollback` then meets those fields owned by `specserve`
-with other values and stops with a field conflict unless it runs with `--force-conflicts`, which
-gives them back to Helm (docs/kubernetes.md, docs/runbook.md). History records are created and
+carries). A later `helm upgrade` with the values' config unchanged renders the live ConfigMap's
+text (and a Serve config that says the same) back byte for byte, so the fields are shared, not
+fought over; one that changes them, and `helm rollback`, stop with a field conflict unless they
+run with `--force-conflicts`, which gives the fields back to Helm (docs/kubernetes.md,
+docs/runbook.md). History records are created and
 annotated by plain writes; Helm never renders them.
 
 `ClusterStore` is this as a config store (store.py, which decides what to record, prune and roll

@@ -101,6 +101,11 @@ def test_an_apply_says_which_engines_the_running_serve_redeploys_and_a_weight_to
     outcome = local.apply(redrafted, parse_config(redrafted), now=T0 + timedelta(minutes=1))
     assert (outcome.engines.redeployed, outcome.engines.rescaled) == (("ngram",), ())
     assert local.notes(outcome)[-1] == "arms: Ray Serve redeploys ngram"
+    rescaled = redrafted.replace("max_ongoing_requests: 4", "max_ongoing_requests: 6", 1)
+    assert rescaled != redrafted
+    outcome = local.apply(rescaled, parse_config(rescaled), now=T0 + timedelta(minutes=2))
+    assert (outcome.engines.redeployed, outcome.engines.rescaled) == ((), ("ngram",))
+    assert local.notes(outcome)[-1] == "arms: Ray Serve rescales ngram in place"
 
 
 def test_a_check_refuses_a_config_before_anything_is_written(tmp_path):

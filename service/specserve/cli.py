@@ -516,7 +516,11 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         if args.k is None:  # the gate scores at the k the incumbent serves at
             adapting = serving_k(adapting, incumbent)
         print(f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})")
-        adapted = adapt(adapting)
+        try:
+            adapted = adapt(adapting)
+        except (SystemExit, Exception) as exc:  # adapt's refusal, or its run failing
+            print(f"error: adapt: {adapt_failure(exc)}; nothing deployed", file=sys.stderr)
+            return 2, loop.ABORTED
         if not adapted["accepted"]:
             print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
             return 3, loop.NO_CANDIDATE
@@ -552,6 +556,21 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
             f"{before.get('revision_before')}, from before the loop"
         )
     return (0 if report["outcome"] == loop.PROMOTED else 3), report["outcome"]
+
+
+def adapt_failure(exc: BaseException) -> str:
+    """One line for why adapt did not produce a candidate: its own message, or what stopped its
+    Ray run, with what to change when the node ran out of memory."""
+    if isinstance(exc, SystemExit):
+        return str(exc.code)
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "OutOfMemoryError" in text or "running low on memory" in text:
+        return (
+            "a worker was killed for memory (the node was past Ray's memory threshold): fewer "
+            "--workers, a lower --replay-share or a smaller capture sample"
+        )
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _loop_abort(args: argparse.Namespace, record) -> int:  # noqa: ANN001

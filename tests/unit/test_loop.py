@@ -431,3 +431,35 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
         server.shutdown()
     # increase() extrapolates to the window's ends, alike for series scraped together.
     assert answered > 0 and failed / answered == pytest.approx(3 / 40)
+
+
+@pytest.mark.parametrize(
+    ("failure", "said"),
+    [
+        (SystemExit("too little captured traffic in /c: 3 answers"), "too little captured"),
+        (
+            RuntimeError("Task was killed due to the node running low on memory.\nMemory on the"),
+            "killed for memory",
+        ),
+        (ValueError("a shard is cut short\nTraceback ..."), "ValueError: a shard is cut short"),
+    ],
+)
+def test_an_adapt_that_fails_ends_the_loop_in_one_line_with_nothing_deployed(
+    tmp_path, cli_store, capsys, monkeypatch, failure, said
+):
+    cli, live = cli_store
+
+    def failing(config):
+        raise failure
+
+    monkeypatch.setattr("specserve.drafter.adapt.adapt", failing)
+    monkeypatch.setattr("specserve.models.prepare_model", lambda source: "/nowhere")
+    work = tmp_path / "work"
+    command = ["loop", "--incumbent", "eagle3.1", "--prometheus", "http://127.0.0.1:9"]
+    command += ["--local", str(live), "--work-dir", str(work)]
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: adapt: ") and said in err[0], err
+    assert err[0].endswith("nothing deployed")
+    assert live.read_text() == DEFAULT.read_text()
+    assert loop.RunRecord(work).read_last()["outcome"] == loop.ABORTED

@@ -519,13 +519,13 @@ class RouterMetrics:
     ) -> None:
         """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
         tags = self._tags(arm)
-        for counter, key in (
+        for counter, name in (
             (self.drafts, "num_spec_steps"),
             (self.draft_tokens, "num_draft_tokens"),
             (self.accepted_tokens, "num_accepted_draft_tokens"),
         ):
-            if stats.get(key):
-                counter.inc(stats[key], tags)
+            if stats.get(name):
+                counter.inc(stats[name], tags)
         steps = int(stats.get("num_spec_steps") or 0)
         if steps:
             length = 1 + int(stats.get("num_accepted_draft_tokens") or 0) / steps

@@ -121,13 +121,11 @@ def soak_with_a_replica_killed(live) -> None:
         live.wait_for_metric(ARM_SELECTIONS + "_total", chosen_before[arm] + 1, arm=arm)
     assert report["streamed"] > 0 and report["streamed"] < report["sent"]
     assert any(p["slope_mib_per_min"] is not None for p in report["processes"])
-    # The router's counters reach the metrics port in batches: wait for one of them to move.
-    deadline = time.monotonic() + 20
-    while (retries := live.metric(ENGINE_RETRIES + "_total", arm=KILLED) - retries_before) + (
-        resumed := live.metric(STREAMS_RESUMED + "_total", arm=KILLED) - resumed_before
-    ) < 1:
-        assert time.monotonic() < deadline, "nothing in flight on the killed replica was counted"
-        time.sleep(0.25)
+    # Whether a request was in flight on the killed replica is the traffic's chance (a Poisson
+    # soak, two arms, two replicas): its replays and resumes are counted when there was one;
+    # the long stream below is always cut, and checked token by token.
+    retries = live.metric(ENGINE_RETRIES + "_total", arm=KILLED) - retries_before
+    resumed = live.metric(STREAMS_RESUMED + "_total", arm=KILLED) - resumed_before
     print(f"{retries:.0f} replayed before their first byte, {resumed:.0f} streams resumed")
     started = time.monotonic()
     wait_for_replicas(APP, 2)

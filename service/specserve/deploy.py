@@ -36,14 +36,13 @@ from specserve.config.serve_config import (
     ROUTER_DRAIN_S,
     WORKER_NICENESS,
     WORKER_NICENESS_ENV,
-    app_status_text,
     draining_router,
     serve_config,
 )
 from specserve.config.settings import CAPTURE_DIR_ENV, Settings
 from specserve.metrics import EXPORT_PREFIX, REQUESTS_IN_FLIGHT, scrape
 from specserve.models import prepare_model
-from specserve.readiness import Readiness, running
+from specserve.readiness import Readiness, running, state
 from specserve.watch import ConfigWatcher
 
 logger = logging.getLogger(__name__)
@@ -272,7 +271,7 @@ class Platform:
         while True:
             apps = serve.status().applications
             statuses = {
-                name: app_status_text(apps[name]) if name in apps else "-" for name in expected
+                name: state(apps[name].status) if name in apps else "-" for name in expected
             }
             failed = {n: apps[n].message for n in expected if n in apps and statuses[n] in _FAILED}
             if failed:

@@ -105,11 +105,6 @@ ARM_ARG = "arm"
 EXPOSE_HTTP_ARG = "expose_http"
 
 
-def app_status_text(app_status: Any) -> str:
-    """A Serve application's status as text ("RUNNING", "DEPLOYING", ...)."""
-    return str(getattr(app_status.status, "value", app_status.status))
-
-
 def arm_app_name(arm_name: str) -> str:
     return ARM_APP_PREFIX + arm_name
 

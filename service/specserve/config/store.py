@@ -217,7 +217,7 @@ class ConfigStore(ABC):
     ) -> Outcome:
         """Make `text` (already validated as `config`) the live config, record it, prune the
         history to the `keep` records applied last."""
-        outcome, records = self._switch(text, config, now=now)
+        outcome, records = self._switch(self.read(), text, config, now=now)
         if not outcome.changed:
             return outcome
         pruned = records_to_prune(records, keep, outcome.new_revision)
@@ -227,13 +227,14 @@ class ConfigStore(ABC):
 
     def rollback(self, to: str | None = None, *, now: datetime | None = None) -> Outcome:
         """Restore a recorded revision: `to` (a unique prefix), else the one applied before."""
-        live_revision = revision_of(self.live_text().encode())
+        live = self.read()
+        live_revision = revision_of(live.text.encode())
         records = self.records()
         record = (
             previous_record(records, live_revision) if to is None else resolve_revision(records, to)
         )
         config = parse_config(record.text, source=f"history record {record.name}")
-        return self._switch(record.text, config, now=now)[0]
+        return self._switch(live, record.text, config, now=now, records=records)[0]
 
     def history(self) -> list[str]:
         """The history table, and a note when the live config has no record yet."""
@@ -249,17 +250,23 @@ class ConfigStore(ABC):
         return lines
 
     def _switch(
-        self, text: str, config: RouterConfig, *, now: datetime | None
+        self,
+        live: Live,
+        text: str,
+        config: RouterConfig,
+        *,
+        now: datetime | None,
+        records: list[Record] | None = None,
     ) -> tuple[Outcome, list[Record]]:
-        """Make `text` live and its arms run, recording both the config that was live and the
-        new one. Returns the outcome and the records as they are now.
+        """Make `text` live in place of `live` and its arms run, recording both the config that
+        was live and the new one (`records`: the history as the caller read it with `live`).
+        Returns the outcome and the records as they are now.
 
         Order: the live config is recorded first (so it can be restored whatever fails next),
         then it changes, then its record is stamped, then the engines. The routers leave an arm
         that is not running out of the selection, so a new arm waits for its engine and a
         removed one stops getting traffic before its engine goes.
         """
-        live = self.read()
         self.admit(live, config)
         old_revision, new_revision = revision_of(live.text.encode()), revision_of(text.encode())
         try:
@@ -275,7 +282,8 @@ class ConfigStore(ABC):
             new_config=config,
             engines=self.engine_changes(live, old_config, config),
         )
-        records = self.records()
+        if records is None:
+            records = self.records()
         if not outcome.changed:
             return outcome, records
         now = now or datetime.now(UTC)

@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -482,11 +483,7 @@ def _adapt_on(
 
 def _rows_per_key(rows: list[dict]) -> dict[str, int]:
     """Rows per key name ('' for rows without one)."""
-    found: dict[str, int] = {}
-    for row in rows:
-        name = row.get("key") or ""
-        found[name] = found.get(name, 0) + 1
-    return found
+    return dict(Counter(row.get("key") or "" for row in rows))
 
 
 def _replay_source(config: AdaptConfig, training: int) -> dict | None:

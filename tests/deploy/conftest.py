@@ -56,18 +56,26 @@ def require_tool(name: str) -> str:
 @cache
 def crd_schema(kind: str) -> dict[str, Any]:
     text = gzip.decompress((VENDORED_CRDS / (CRD_FILES[kind] + ".gz")).read_bytes()).decode()
-    crd = yaml.safe_load(text)
-    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
-    text = yaml.safe_dump(version["schema"]["openAPIV3Schema"])
     # Go regexps put flags anywhere (`^(?i)...`); Python's `re` wants them first.
     text = re.sub(r"\^\(\?i\)", "(?i)^", text)
-    return yaml.safe_load(text)
+    crd = yaml.load(text, Loader=yaml.CSafeLoader)  # libyaml: KubeRay's CRDs take seconds in Python
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    return version["schema"]["openAPIV3Schema"]
+
+
+@cache
+def crd_validator(kind: str) -> Any:
+    """A validator of the CRD's schema, built once. (`jsonschema.validate` would check the schema
+    itself against the meta-schema on every call: seconds for KubeRay's, which the API server
+    has taken as they are.)"""
+    import jsonschema
+
+    return jsonschema.Draft7Validator(crd_schema(kind))
 
 
 def validate_all(objs: list[dict[str, Any]]) -> None:
     """Validate objects: core kinds against Kubernetes' schemas (strict: unknown fields are
     errors), custom resources against their CRD's openAPIV3Schema."""
-    import jsonschema
     import kubernetes_validate
 
     for obj in objs:
@@ -75,7 +83,7 @@ def validate_all(objs: list[dict[str, Any]]) -> None:
         if kind not in CRD_FILES:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         else:
-            jsonschema.validate(obj, crd_schema(kind), cls=jsonschema.Draft7Validator)
+            crd_validator(kind).validate(obj)
 
 
 def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

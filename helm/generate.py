@@ -15,6 +15,7 @@ tests/deploy checks that the committed files equal what this writes.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -35,6 +36,12 @@ SITE_VALUES: dict[str, dict[str, Any]] = {
     "cpu": {},
     "gb200": {"modelCache": {"storageClassName": "shared-rwx"}},
 }
+# ... and the commits of the hub repositories whose code its engines run (trust_remote_code),
+# which only the operator who reviewed them knows: here a placeholder no repository has, so an
+# engine of the plain manifests fails to load rather than run unpinned code until the operator
+# writes the commits in (docs/security.md).
+PLACEHOLDER_COMMIT = "0" * 40
+SITE_PINS = {"cpu": False, "gb200": True}
 # The release the plain manifests stand for: `specserve config ... --release specserve`.
 RELEASE, NAMESPACE = "specserve", "specserve"
 MONITORING = {"enabled": True}
@@ -64,6 +71,9 @@ OVERLAY_NOTES = {
 #     kubectl -n specserve create secret generic hf-token --from-literal=token=hf_...
 # - PersistentVolumeClaim specserve-model-cache: ReadWriteMany, on a storage class that
 #   provides it and lets uid 1000 write.
+# And the commits you reviewed of the model's and the drafters' hub repositories, whose code the
+# engines run (trust_remote_code), in configmap-specserve-config.yaml: every `revision` there is
+# 0000... (no such commit: the engines fail to load until you write them; docs/security.md).
 # Image: an overlay of your own with `images:`, or in a copy of this directory
 #   kustomize edit set image ghcr.io/specserve/specserve=REGISTRY/specserve:0.1.0-gpu
 """,
@@ -91,10 +101,26 @@ def profile_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
     for path in PROFILES[profile]:
         values = _merge(values, yaml.safe_load(path.read_text()))
     values = _merge(values, SITE_VALUES[profile])
+    if SITE_PINS[profile]:
+        values["config"] = pinned(values["config"], PLACEHOLDER_COMMIT)
     if monitoring:
         monitors = {"podMonitor": MONITORING, "prometheusRule": MONITORING}
         values = _merge(values, {"monitoring": {**monitors, "labels": MONITORING_LABELS}})
     return values
+
+
+def pinned(config: dict[str, Any], commit: str) -> dict[str, Any]:
+    """`config` with every hub source (the model, each arm's drafter) pinned to `commit`."""
+    from specserve.config.schema import is_hub_id
+
+    config = copy.deepcopy(config)
+    if is_hub_id(config["model"]["source"]):
+        config["model"]["revision"] = commit
+    for arm in config["arms"]:
+        speculative = arm.get("speculative", {})
+        if is_hub_id(speculative.get("model", "")):
+            speculative["revision"] = commit
+    return config
 
 
 def manifest_values(profile: str, *, monitoring: bool = False) -> dict[str, Any]:
@@ -198,14 +224,16 @@ def _image_entry(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
 def generated_tpl() -> str:
     """Template definitions whose source of truth is Python: an arm's keys the router applies
     itself or that become Ray Serve deployment options, never the engine application's args
-    (config.py's ROUTER_SIDE and DEPLOYMENT_OPTIONS)."""
-    from specserve.config.schema import DEPLOYMENT_OPTIONS, ROUTER_SIDE
+    (schema.py's ROUTER_SIDE and DEPLOYMENT_OPTIONS), and what a hub id looks like (schema.py's
+    HUB_ID_PATTERN: sources that code loading needs pinned)."""
+    from specserve.config.schema import DEPLOYMENT_OPTIONS, HUB_ID_PATTERN, ROUTER_SIDE
 
     keys = " ".join(sorted({*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}))
     return (
         "{{- /* Generated from service/specserve/config/schema.py by `make generate`"
         " (helm/generate.py); do not edit. */}}\n"
         '{{- define "specserve.notEngineArgs" -}}\n' + keys + "\n{{- end }}\n"
+        '{{- define "specserve.hubIdPattern" -}}\n' + HUB_ID_PATTERN + "\n{{- end }}\n"
     )
 
 

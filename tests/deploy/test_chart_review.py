@@ -67,6 +67,7 @@ def test_a_read_write_many_cache_without_a_storage_class_is_refused_naming_the_k
     """The usual default classes (block storage) provide no ReadWriteMany: the claim would stay
     Pending. values-gb200.yaml alone names no class, so the install says which key to set."""
     gb200 = yaml.safe_load(GB200_FILE.read_text())
+    gb200["config"] = generate.pinned(gb200["config"], generate.PLACEHOLDER_COMMIT)
     assert "modelCache.storageClassName" in refused(gb200)
     # An existing claim is the operator's: no class needed.
     objs = render_objects("gb200", modelCache={"storageClassName": "", "existingClaim": "weights"})
@@ -275,6 +276,51 @@ def test_draining_the_router_keeps_its_resources():
     (deployment,) = draining_router(router)["deployments"]
     assert deployment["ray_actor_options"] == {"num_cpus": 0}
     assert deployment["user_config"] == {"draining": True}
+
+
+def test_gb200_installs_only_with_the_commits_of_the_repositories_whose_code_runs():
+    """The GB200 arms set trust_remote_code, so the engines run the code in the model's and the
+    drafters' hub repositories: the install names the commits (values-gb200.yaml cannot know
+    which ones the operator reviewed), as `--set` says, and the engines load those."""
+    gb200 = generate._merge(yaml.safe_load(GB200_FILE.read_text()), generate.SITE_VALUES["gb200"])
+    assert "--set config.model.revision=COMMIT" in refused(gb200)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    gb200["config"]["model"]["revision"] = commit
+    # The first arm with a drafter from the hub (eagle3, index 1) is named with its index.
+    message = refused(gb200)
+    assert "--set config.arms[1].speculative.revision=COMMIT" in message
+    assert "lightseekorg/kimi-k2.6-eagle3-mla" in message
+    pinned = generate.pinned(gb200["config"], commit)
+    objs = render_objects("gb200", config=pinned)
+    serve = yaml.safe_load(one(objs, "RayService")["spec"]["serveConfigV2"])
+    arms = {app["name"]: app["args"] for app in serve["applications"] if "arm" in app["args"]}
+    assert {args["model"]["revision"] for args in arms.values()} == {commit}
+    drafters = [
+        args["arm"]["speculative"]
+        for args in arms.values()
+        if "model" in args["arm"]["speculative"]
+    ]
+    assert len(drafters) == 2 and {d["revision"] for d in drafters} == {commit}
+    # Without code loading nothing needs pinning.
+    plain = generate._merge(gb200, {})
+    plain["config"] = {**gb200["config"], "model": {**gb200["config"]["model"]}}
+    del plain["config"]["model"]["revision"]
+    plain["config"]["arms"] = [
+        {**arm, "engine": {**arm["engine"], "trust_remote_code": False}, "allow_code_loading": {}}
+        for arm in gb200["config"]["arms"]
+    ]
+    assert generate.render(plain)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_profiles_engine_settings_pass_vllms_parser(profile):
+    # As installed: GB200's with the commits the install names (its revisions pass vLLM's
+    # parser too).
+    from specserve.config.checks import engine_problems
+    from specserve.config.schema import RouterConfig
+
+    config = RouterConfig.model_validate(chart_values(profile)["config"])
+    assert engine_problems(config) == []
 
 
 # 5. Tensor parallel inside one tray

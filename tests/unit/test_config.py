@@ -261,6 +261,9 @@ def test_arm_builder_takes_the_plain_args_the_serve_config_gives_it():
     assert deployment.name == "arm-ngram"
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
 def arm_text(extra: str) -> str:
     """BASE with `extra` (a flow mapping's inside) added to the no-spec arm."""
     return BASE.replace("{name: no-spec, weight: 1}", "{name: no-spec, weight: 1, " + extra + "}")
@@ -486,7 +489,10 @@ def test_trust_remote_code_on_an_eagle_arm_needs_the_opt_in_for_its_drafters_cod
     )
     with pytest.raises(ConfigError, match="also runs the code that ships with the drafter"):
         parse_config(arm_text(eagle + "}"))
-    arm = parse_config(arm_text(eagle + ", drafter: true}")).arm("no-spec")
+    pinned = eagle.replace(
+        "num_speculative_tokens: 3", f"num_speculative_tokens: 3, revision: {COMMIT}"
+    )
+    arm = parse_config(arm_text(pinned + ", drafter: true}")).arm("no-spec")
     assert arm.allow_code_loading.drafter
     # Its builder, which reads the arm's args alone, holds it to the same.
     from specserve.config.schema import ArmEngineConfig
@@ -495,6 +501,72 @@ def test_trust_remote_code_on_an_eagle_arm_needs_the_opt_in_for_its_drafters_cod
     # Without trust_remote_code the drafter's code never runs: nothing to opt in to.
     plain = "speculative: {method: eagle3, model: org/drafter, num_speculative_tokens: 3}"
     assert not parse_config(arm_text(plain)).arm("no-spec").allow_code_loading.drafter
+
+
+def test_code_from_a_hub_repository_runs_only_from_a_pinned_commit():
+    """With trust_remote_code an engine runs the code in the target's and the drafter's hub
+    repositories: whoever can push there would run theirs. Each such source is pinned to a
+    commit, which reaches vLLM for the weights, the tokenizer and the code."""
+    code = "engine: {trust_remote_code: true}, allow_code_loading: {engine: [trust_remote_code]"
+    hub = "source: org/model"
+    pinned = f"source: org/model, revision: '{COMMIT}'"
+    with pytest.raises(ConfigError, match="code in the hub repository org/model: .*model.revision"):
+        parse_config(arm_text(code + "}").replace("source: /models/m", hub))
+    config = parse_config(arm_text(code + "}").replace("source: /models/m", pinned))
+    kwargs = build_llm_config(config.arm("no-spec"), config.model).engine_kwargs
+    assert [kwargs[k] for k in ("revision", "code_revision", "tokenizer_revision")] == [COMMIT] * 3
+    # Without code loading a hub repository's weights need no pin; a local directory is the
+    # operator's own either way.
+    assert parse_config(BASE.replace("source: /models/m", hub)).model.revision is None
+    assert parse_config(arm_text(code + "}")).model.source == "/models/m"
+
+    drafter = "speculative: {method: eagle3, model: org/drafter, num_speculative_tokens: 3%s}, "
+    opted_in = code + ", drafter: true}"
+    with pytest.raises(ConfigError, match="drafter's hub repository org/drafter: .*speculative"):
+        parse_config(arm_text(drafter % "" + opted_in).replace("source: /models/m", pinned))
+    config = parse_config(arm_text(drafter % f", revision: '{COMMIT}'" + opted_in))
+    spec = build_llm_config(config.arm("no-spec"), config.model).engine_kwargs
+    assert spec["speculative_config"]["revision"] == COMMIT
+    assert spec["speculative_config"]["code_revision"] == COMMIT
+    # A drafter without a pin leaves vLLM's default (no `revision` key for it).
+    unpinned = parse_config(arm_text(drafter.removesuffix(", ") % ""))
+    spec = build_llm_config(unpinned.arm("no-spec"), unpinned.model).engine_kwargs
+    assert "revision" not in spec["speculative_config"]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("model: {name: m, source: org/m, revision: main}", "should match pattern"),
+        (f"model: {{name: m, source: /models/m, revision: '{COMMIT}'}}", "pins a hub repository"),
+        (f"model: {{name: m, source: 'embedded://x', revision: '{COMMIT}'}}", "pins a hub"),
+    ],
+)
+def test_a_pin_is_a_commit_of_a_hub_repository(text, error):
+    with pytest.raises(ConfigError, match=error):
+        parse_config(BASE.replace("model: {name: m, source: /models/m, accelerator: cpu}", text))
+
+
+@pytest.mark.parametrize("key", ["revision", "code_revision", "tokenizer_revision"])
+def test_the_engines_revisions_come_from_the_models_pin_only(key):
+    with pytest.raises(ConfigError, match=f"`{key}` is set by `model.revision`"):
+        parse_config(arm_text(f"engine: {{{key}: main}}"))
+
+
+def test_an_arms_builder_refuses_unpinned_code_in_a_hand_written_serve_config():
+    from specserve.config.serve_config import ARM_ARG, MODEL_ARG
+    from specserve.engine.arm import build_app
+
+    args = {
+        MODEL_ARG: {"name": "m", "source": "org/model"},
+        ARM_ARG: {
+            "name": "a",
+            "engine": {"trust_remote_code": True},
+            "allow_code_loading": {"engine": ["trust_remote_code"]},
+        },
+    }
+    with pytest.raises(ValueError, match="pin the commit"):
+        build_app(args)
 
 
 def test_the_engine_settings_the_projects_configs_use_are_allowed():
@@ -581,6 +653,8 @@ def test_a_stopped_arm_replica_finishes_requests_as_long_as_any_may_run():
     # Ray Serve's default (20 s) cut streams when a replica was stopped by a redeploy or moved
     # off a drained node.
     config = load_config(DEFAULT_CONFIG_PATH).config
+    # A hub id: the embedded model's directory needs no preparing for the LLM config to build.
+    model = config.model.model_copy(update={"source": "org/model"})
     for arm in config.arms:
-        options = build_llm_config(arm, config.model).deployment_config
+        options = build_llm_config(arm, model).deployment_config
         assert options["graceful_shutdown_timeout_s"] >= config.limits.request_timeout_s

@@ -2,3 +2,6 @@
 {{- define "specserve.notEngineArgs" -}}
 capture max_ongoing_requests max_queued_requests max_surge_percent replicas weight
 {{- end }}
+{{- define "specserve.hubIdPattern" -}}
+^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$
+{{- end }}

@@ -113,6 +113,21 @@ cluster to look up) and at install: the values'. */}}
 {{- if not $positive }}
 {{- fail "config.arms: at least one arm needs weight > 0" }}
 {{- end }}
+{{- /* With trust_remote_code an arm's engines run the code in the target's and its drafter's hub
+repositories: each is pinned to a commit (config/schema.py's unpinned_code). */}}
+{{- $hubId := include "specserve.hubIdPattern" . }}
+{{- $model := .Values.config.model }}
+{{- range $i, $arm := .Values.config.arms }}
+{{- if dig "engine" "trust_remote_code" false $arm }}
+{{- if and (regexMatch $hubId $model.source) (not $model.revision) }}
+{{- fail (printf "config.model.revision: arm %q sets trust_remote_code, so its engines run the code in the hub repository %s; pin the commit you reviewed (40 hex digits: --set config.model.revision=COMMIT; docs/security.md)" $arm.name $model.source) }}
+{{- end }}
+{{- $drafter := dig "speculative" "model" "" $arm }}
+{{- if and $drafter (regexMatch $hubId $drafter) (not (dig "speculative" "revision" "" $arm)) }}
+{{- fail (printf "config.arms[%d].speculative.revision: arm %q sets trust_remote_code, so its engines also run the code in its drafter's hub repository %s; pin the commit you reviewed (40 hex digits: --set config.arms[%d].speculative.revision=COMMIT; docs/security.md)" $i $arm.name $drafter $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with .Values.apiKeys }}
 {{- if and (not .enabled) (not .allowUnauthenticated) }}
 {{- fail "apiKeys.enabled: false serves every route, the engines included, to anyone who reaches port 8000; set apiKeys.allowUnauthenticated: true as well to mean it" }}

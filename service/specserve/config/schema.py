@@ -47,6 +47,12 @@ UNSTICKY_HEADERS = {
 # Drafters shipped with the package are named by their directory under specserve/drafters.
 PACKAGE_SCHEME = "package://"
 PACKAGED_DRAFTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A Hugging Face hub repository (`org/name`), as vLLM takes a source that is no local directory:
+# the chart refuses the same sources (_generated.tpl). A relative directory of that shape counts
+# as one; `./org/name` says it is local.
+HUB_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$"
+# A pin is a commit id: a branch or a tag can be moved by whoever can push to the repository.
+COMMIT_PATTERN = r"^[0-9a-f]{40}$"
 # A config document is at most this large: the ConfigMap that carries it on Kubernetes holds at
 # most 1 MiB, and the router reads the file on every change.
 MAX_CONFIG_BYTES = 1 << 20
@@ -103,6 +109,46 @@ class ModelConfig(_Strict):
     accelerator: Literal["gpu", "cpu"] = Field(
         "gpu", description="Hardware the engines run on: `gpu` (one GPU per replica) or `cpu`."
     )
+    revision: str | None = Field(
+        None,
+        pattern=COMMIT_PATTERN,
+        description="The commit of the hub repository `source` that the engines load (weights, "
+        "tokenizer and, with trust_remote_code, code): 40 hex digits. Required where an arm "
+        "sets trust_remote_code and `source` is a hub id.",
+    )
+
+    @model_validator(mode="after")
+    def _revision_pins_a_hub_repository(self) -> ModelConfig:
+        if self.revision is not None and not is_hub_id(self.source):
+            raise ValueError(f"`revision` pins a hub repository; `{self.source}` is none")
+        return self
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether vLLM takes `source` from the Hugging Face hub (no scheme, no local path)."""
+    return re.match(HUB_ID_PATTERN, source) is not None
+
+
+def unpinned_code(model: ModelConfig, arm: ArmEngineConfig) -> str | None:
+    """Why this arm's engine would run code from a hub repository that no commit pins (with
+    trust_remote_code vLLM runs the code in the target's and the drafter's repositories, and
+    whoever can push there would run theirs in the engines), or None."""
+    if not arm.engine.get("trust_remote_code"):
+        return None
+    if is_hub_id(model.source) and model.revision is None:
+        return (
+            f"arm {arm.name!r} sets trust_remote_code, so its engines run the code in the hub "
+            f"repository {model.source}: pin the commit you reviewed with `model.revision` "
+            "(40 hex digits)"
+        )
+    drafter = getattr(arm.speculative, "model", None)
+    if drafter and is_hub_id(drafter) and arm.speculative.revision is None:  # type: ignore[union-attr]
+        return (
+            f"arm {arm.name!r} sets trust_remote_code, so its engines also run the code in its "
+            f"drafter's hub repository {drafter}: pin the commit you reviewed with "
+            "`speculative.revision` (40 hex digits)"
+        )
+    return None
 
 
 class NoSpeculation(_Strict):
@@ -164,6 +210,12 @@ class Eagle3Speculation(_Drafting):
         "without speculation does, for a slightly lower acceptance in the steps that draft "
         "again (docs/config.md). CPU engines; GPU engines always run the pass.",
     )
+    revision: str | None = Field(
+        None,
+        pattern=COMMIT_PATTERN,
+        description="The commit of the drafter's hub repository that the engines load (40 hex "
+        "digits). Required where the arm sets trust_remote_code and `model` is a hub id.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -177,6 +229,12 @@ class Eagle3Speculation(_Drafting):
                 "specserve/drafters (letters, digits, '.', '_', '-'; no path)"
             )
         return model
+
+    @model_validator(mode="after")
+    def _revision_pins_a_hub_repository(self) -> Eagle3Speculation:
+        if self.revision is not None and not is_hub_id(self.model):
+            raise ValueError(f"`revision` pins a hub repository; `{self.model}` is none")
+        return self
 
 
 Speculation = Annotated[
@@ -289,6 +347,11 @@ class ArmEngineConfig(_Strict):
             "model": "model.source",
             "max_model_len": "model.max_model_len",
             "served_model_name": "model.name",
+            # One pin for weights, tokenizer and code: the model's (vLLM's revision for the
+            # drafter is `speculative.revision`).
+            "revision": "model.revision",
+            "code_revision": "model.revision",
+            "tokenizer_revision": "model.revision",
         }
         for key, where in owned.items():
             if key in engine:
@@ -601,6 +664,14 @@ class RouterConfig(_Strict):
         if not any(arm.weight > 0 for arm in arms):
             raise ValueError("at least one arm needs weight > 0")
         return arms
+
+    @model_validator(mode="after")
+    def _code_comes_from_pinned_commits(self) -> RouterConfig:
+        for arm in self.arms:
+            problem = unpinned_code(self.model, arm)
+            if problem:
+                raise ValueError(problem)
+        return self
 
     def arm(self, name: str) -> ArmConfig | None:
         return next((arm for arm in self.arms if arm.name == name), None)

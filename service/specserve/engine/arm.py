@@ -14,7 +14,12 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from specserve.config.schema import MAX_REQUEST_TIMEOUT_S, ArmEngineConfig, ModelConfig
+from specserve.config.schema import (
+    MAX_REQUEST_TIMEOUT_S,
+    ArmEngineConfig,
+    ModelConfig,
+    unpinned_code,
+)
 from specserve.config.serve_config import (
     ARM_ARG,
     ARM_NAME_ENV,
@@ -81,6 +86,10 @@ def speculative_config(arm: ArmEngineConfig) -> dict[str, Any] | None:
         ]
     if spec.method == "eagle3":
         config["model"] = resolve_drafter_source(spec.model)
+        if spec.revision is None:
+            config.pop("revision")
+        else:  # vLLM loads the drafter's code (trust_remote_code) by its own revision
+            config["code_revision"] = spec.revision
     return config
 
 
@@ -102,6 +111,9 @@ def engine_kwargs(arm: ArmEngineConfig, model: ModelConfig) -> dict[str, Any]:
             engine_kwargs["per_request_spec_decode_metrics"] = "detailed"
     if model.max_model_len is not None:
         engine_kwargs["max_model_len"] = model.max_model_len
+    if model.revision is not None:  # the weights, the tokenizer and the code: one commit
+        for key in ("revision", "code_revision", "tokenizer_revision"):
+            engine_kwargs[key] = model.revision
     if model.accelerator == "cpu":  # bf16 only where the CPU has bf16 instructions
         engine_kwargs.setdefault("dtype", fast_dtype())
     return engine_kwargs
@@ -138,6 +150,9 @@ def build_app(args: dict[str, Any]) -> Application:
     `{model, arm, expose_http?}` as `serve_config.arm_application` writes them."""
     arm = ArmEngineConfig.model_validate(args[ARM_ARG])
     model = ModelConfig.model_validate(args[MODEL_ARG])
+    # The router's config refuses it already; a Serve config written by hand is checked too.
+    if problem := unpinned_code(model, arm):
+        raise ValueError(problem)
     return build_llm_deployment(
         build_llm_config(arm, model),
         override_serve_options={"name": arm_app_name(arm.name)},

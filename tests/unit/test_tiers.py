@@ -59,5 +59,19 @@ def test_a_tier_over_its_budget_is_reported_and_the_cluster_run_has_its_own():
     assert cluster.budget(tiers.E2E) == tiers.CLUSTER_BUDGET_S
 
 
+def test_a_machine_without_bf16_has_larger_budgets(monkeypatch):
+    from specserve import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert tiers.machine_scale() == tiers.FLOAT32_SCALE
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert tiers.machine_scale() == 1.0
+    slow = tiers.Run(tiers.FLOAT32_SCALE)
+    slow.tiers = {"a": tiers.UNIT}
+    slow.durations["a"] = tiers.BUDGETS_S[tiers.UNIT] * 1.5  # over 1x, under 1.8x
+    assert slow.over_budget() == []
+    assert slow.budget(tiers.E2E) == tiers.BUDGETS_S[tiers.E2E] * tiers.FLOAT32_SCALE
+
+
 def test_the_budgets_fit_make_tests_total():
     assert sum(tiers.BUDGETS_S.values()) + tiers.CLUSTER_BUDGET_S <= tiers.TOTAL_BUDGET_S

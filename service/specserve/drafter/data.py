@@ -36,6 +36,7 @@ GENERATION_BATCH = 256  # 1.4x the tokens/s of 64 (float32, 2 cores)
 GENERATION_MAX_MODEL_LEN = 4096
 SHARD_SEQUENCES = 256
 FORMAT = "aux+final"  # what a shard holds; part of its name, so older shards are not reused
+FEATURE_MAX_LEN = 3072  # tokens of a sequence kept for its states (longer: the last ones)
 
 
 def generation_env(threads: int | None = None) -> dict[str, str]:
@@ -164,9 +165,10 @@ def capture_features(
     out_dir: Path,
     aux_layer_ids: tuple[int, ...],
     *,
-    max_len: int = 3072,
+    max_len: int = FEATURE_MAX_LEN,
     threads: int | None = None,
     part: tuple[int, int] | None = None,
+    batch_tokens: int | None = None,
 ) -> list[Path]:
     """Write shards of {input_ids, aux, final, answer_start} per answered conversation, with
     `threads` CPU threads (default: every core), on the GPU where there is one. With `part`
@@ -195,7 +197,7 @@ def capture_features(
 
     groups = shard_groups([row for row in rows if answered(row)])
     return _write_shards(
-        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part
+        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part, batch_tokens
     )
 
 
@@ -205,9 +207,10 @@ def capture_token_features(
     out_dir: Path,
     aux_layer_ids: tuple[int, ...],
     *,
-    max_len: int = 3072,
+    max_len: int = FEATURE_MAX_LEN,
     threads: int | None = None,
     part: tuple[int, int] | None = None,
+    batch_tokens: int | None = None,
 ) -> list[Path]:
     """`capture_features` for sequences already in token ids, as the serving engine saw them
     (captured traffic: `prompt_token_ids`, `output_token_ids`, `kind`): the same shards, with
@@ -219,7 +222,7 @@ def capture_token_features(
 
     groups = shard_groups(rows, key=lambda row: [row["prompt_token_ids"], row["output_token_ids"]])
     return _write_shards(
-        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part
+        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part, batch_tokens
     )
 
 
@@ -232,6 +235,7 @@ def _write_shards(
     token_ids: Callable[[dict], tuple[list[int], int]],
     threads: int | None = None,
     part: tuple[int, int] | None = None,
+    batch_tokens: int | None = None,
 ) -> list[Path]:
     """The shards of `groups` (missing ones computed, stale ones deleted by rank 0); `token_ids`
     gives a row's whole sequence and where its answer starts."""
@@ -253,7 +257,7 @@ def _write_shards(
         records = []
         for row, record in zip(
             [row for row, _, _ in sequences],
-            features_batched(model, [(f, s) for _, f, s in sequences], aux_layer_ids),
+            features_batched(model, [(f, s) for _, f, s in sequences], aux_layer_ids, batch_tokens),
             strict=True,
         ):
             if record is not None:

@@ -1,0 +1,279 @@
+"""How many adapt workers fit beside what already runs on a node, and at what sizes.
+
+Ray's memory monitor kills a worker once its node uses more than `RAY_memory_usage_threshold` of
+its memory (0.95 by default): beside serving engines, two Train workers too many ended an adapt
+that way. So adapt sizes itself before it starts any: each worker's peak is estimated from the
+target's shape (`worker_bytes`), each node's room is what it has below the threshold now
+(`NodeMemory`, read where the workers would run), and `plan` takes the most workers that fit,
+then smaller feature batches, then shorter sequences, or refuses with one line that says what
+would fit.
+
+A worker's peak (measured: docs/drafters.md, "Memory"), on a CPU:
+- the process: Python, torch, transformers, Ray (`PROCESS_BYTES`);
+- the target's weights in the features' dtype;
+- one feature forward: every layer's hidden states (transformers keeps them all with
+  `output_hidden_states`), the MLP's intermediate activations and the attention scores of the
+  longest sequence in it, for `batch_tokens` padded tokens;
+- one training update: the drafter unrolled `steps` deep over the update's tokens, its logits
+  over the draft vocabulary and their gradients dominating.
+Feature records on disk are memory-mapped while training (train.load_records): page cache that
+the kernel takes back under pressure, which Ray's monitor does not count as used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Ray's default kill threshold and the variable that changes it (Ray's memory monitor).
+RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
+RAY_DEFAULT_THRESHOLD = 0.95
+# A Ray Train worker process with torch, transformers, specserve and gloo (1.2 GB measured, in
+# all, for a rank with little of the work; 0.4 GB for torch and transformers without Ray).
+PROCESS_BYTES = 1200 * 2**20
+# Measured peaks over the sum of the tensors a forward holds (allocator slack, copies): 2.2-2.3x.
+SLACK = 2.3
+# What the estimate may miss (allocator slack, threads' buffers): kept free besides.
+MARGIN = 0.15
+# The smallest sizes a plan goes down to before it refuses.
+MIN_BATCH_TOKENS = 1024
+MIN_MAX_LEN = 1024
+
+
+class MemoryPlanError(RuntimeError):
+    """No worker fits: the message is the one line the loop and the CLI show."""
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """One node's memory as Ray's monitor sees it: the cgroup's limit where there is one (a
+    Kubernetes pod), else the machine's."""
+
+    node: str
+    total: int
+    used: int
+    threshold: float
+
+    @property
+    def room(self) -> int:
+        """Bytes that may still be used before Ray starts killing workers."""
+        return max(0, int(self.total * self.threshold) - self.used)
+
+
+def node_memory(node: str = "local") -> NodeMemory:
+    """This node's memory now (run it where the workers will run: `probe_nodes`)."""
+    threshold = float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))
+    meminfo = dict(
+        (line.split(":")[0], int(line.split()[1]) * 1024)
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.split()[1].isdigit()
+    )
+    total, used = meminfo["MemTotal"], meminfo["MemTotal"] - meminfo["MemAvailable"]
+    limit, current = _cgroup_memory()
+    if limit is not None and limit < total:
+        total, used = limit, current if current is not None else used
+    return NodeMemory(node, total, used, threshold)
+
+
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's cgroup v2, (None, None) without a limit."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        current = int((base / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None, None
+    return (None, None) if limit == "max" else (int(limit), current)
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    weight_bytes: int  # in the dtype the features run in
+    file_bytes: int  # the checkpoint, mapped while it is converted to that dtype
+
+    @classmethod
+    def of(cls, target_dir: str, dtype_bytes: int) -> TargetShape:
+        config = json.loads((Path(target_dir) / "config.json").read_text())
+        stored = {"float32": 4, "bfloat16": 2, "float16": 2}
+        stored_bytes = stored.get(config.get("dtype") or config.get("torch_dtype"), 2)
+        files = sum(p.stat().st_size for p in Path(target_dir).glob("*.safetensors"))
+        return cls(
+            layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            heads=config["num_attention_heads"],
+            weight_bytes=files * dtype_bytes // stored_bytes,
+            file_bytes=files,
+        )
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The lengths (prompt + answer tokens) adapt computes states for."""
+
+    longest: int
+    mean: float
+    per_shard: int  # sequences in one shard, whose states a worker holds until it is written
+
+    @classmethod
+    def of(cls, lengths: list[int], per_shard: int) -> Sequences:
+        if not lengths:
+            return cls(0, 0.0, 0)
+        return cls(max(lengths), sum(lengths) / len(lengths), min(per_shard, len(lengths)))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch_tokens: int  # padded tokens per feature forward
+    max_len: int  # the longest sequence kept (longer ones keep their last max_len tokens)
+    tokens_per_update: int
+    steps: int
+    draft_vocab: int
+
+
+def forward_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
+    """What one feature forward adds to a worker that holds the target: its tensors with the
+    measured slack, and a shard's records held until written."""
+    longest = max(1, min(sizes.max_len, data.longest, sizes.batch_tokens))
+    # Every layer's hidden states and the MLP's activations, counted in float32 whatever the
+    # weights' dtype: bfloat16 forwards on a CPU keep float32 intermediates too.
+    width = (target.layers + 1) * target.hidden + 3 * target.intermediate
+    states = sizes.batch_tokens * 4 * width
+    # Attention scores and their softmax in float32, for as many of the longest sequences as
+    # one forward takes.
+    scores = (sizes.batch_tokens // longest) * target.heads * longest * longest * 4
+    # A shard's records (aux states of three layers and the final one, bfloat16) until written.
+    shard = data.per_shard * min(data.mean, sizes.max_len) * 4 * target.hidden * 2
+    return int(SLACK * (states + scores) + shard)
+
+
+def worker_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
+    """The estimated peak of one worker: the process and the target's weights, and the largest of
+    the checkpoint's mapping while it loads, one feature forward and one training update."""
+    # Logits, probabilities and their gradients over the draft vocabulary, in float32, per
+    # unrolled step (the drafter's own layer is small beside them).
+    update = sizes.tokens_per_update * sizes.steps * (4 * sizes.draft_vocab * 4)
+    forward = forward_bytes(target, data, sizes)
+    return int(PROCESS_BYTES + target.weight_bytes + max(target.file_bytes, forward, update))
+
+
+@dataclass(frozen=True)
+class Plan:
+    workers: int
+    sizes: Sizes
+    per_worker: int
+    nodes: tuple[NodeMemory, ...]
+    note: str  # what was cut to fit, "" when nothing was
+
+    def describe(self) -> str:
+        room = sum(n.room for n in self.nodes) / 2**30
+        cut = f"; {self.note}" if self.note else ""
+        return (
+            f"{self.workers} workers of ~{self.per_worker / 2**30:.1f} GB each in the "
+            f"{room:.1f} GB below Ray's kill threshold{cut}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "workers": self.workers,
+            "per_worker_bytes": self.per_worker,
+            "sizes": asdict(self.sizes),
+            "nodes": [asdict(n) for n in self.nodes],
+            "note": self.note,
+        }
+
+
+def fitting(nodes: list[NodeMemory], per_worker: int) -> int:
+    """Workers that fit: on each node as many as its room holds with the margin kept free."""
+    need = per_worker * (1 + MARGIN)
+    return sum(int(n.room // need) for n in nodes)
+
+
+def plan(
+    requested: int,
+    nodes: list[NodeMemory],
+    target: TargetShape,
+    data: Sequences,
+    sizes: Sizes,
+) -> Plan:
+    """The most workers (up to `requested`) at the largest sizes that fit; MemoryPlanError
+    when not one worker fits at the smallest."""
+    candidates = [sizes]
+    batch, max_len = sizes.batch_tokens, sizes.max_len
+    while batch > MIN_BATCH_TOKENS:
+        batch = max(MIN_BATCH_TOKENS, batch // 2)
+        candidates.append(
+            Sizes(batch, max_len, sizes.tokens_per_update, sizes.steps, sizes.draft_vocab)
+        )
+    while max_len > MIN_MAX_LEN:
+        max_len = max(MIN_MAX_LEN, max_len // 2)
+        candidates.append(
+            Sizes(batch, max_len, sizes.tokens_per_update, sizes.steps, sizes.draft_vocab)
+        )
+    for candidate in candidates:
+        per_worker = worker_bytes(target, data, candidate)
+        workers = min(requested, fitting(nodes, per_worker))
+        if workers > 0:
+            cuts = []
+            if workers < requested:
+                cuts.append(f"{requested} asked")
+            if candidate.batch_tokens < sizes.batch_tokens:
+                cuts.append(
+                    f"feature batches of {candidate.batch_tokens} tokens, not {sizes.batch_tokens}"
+                )
+            if candidate.max_len < sizes.max_len:
+                cuts.append(
+                    f"sequences cut to their last {candidate.max_len} tokens, not {sizes.max_len}"
+                )
+            return Plan(workers, candidate, per_worker, tuple(nodes), ", ".join(cuts))
+    smallest = worker_bytes(target, data, candidates[-1])
+    room = max((n.room for n in nodes), default=0)
+    threshold = nodes[0].threshold if nodes else RAY_DEFAULT_THRESHOLD
+    raise MemoryPlanError(
+        f"adapt does not fit: one worker needs ~{smallest * (1 + MARGIN) / 2**30:.1f} GB at the "
+        f"smallest sizes, and no node has more than {room / 2**30:.1f} GB below Ray's kill "
+        f"threshold ({threshold:.0%} of its memory); free memory (fewer engine replicas while "
+        "it runs) or run adapt where there is room (`--address`)"
+    )
+
+
+class AnonymousPeak:
+    """This process's peak anonymous memory while the block runs, sampled every `period_s` in a
+    thread: what Ray's monitor counts as used (file pages, such as memory-mapped shards, are the
+    kernel's to take back). A Ray worker process may have run other work before; its lifetime
+    peak (`ru_maxrss`) would count that too."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> AnonymousPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anonymous_bytes())
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, anonymous_bytes())
+            self._stop.wait(self.period_s)
+
+
+def anonymous_bytes() -> int:
+    """This process's resident anonymous memory now (`RssAnon`)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0

@@ -1,0 +1,183 @@
+"""adapt's memory plan (drafter/memory.py): as many workers as fit below Ray's kill threshold
+beside what runs, then smaller batches and sequences, else one line saying why not. The plan's
+estimate against measured peaks is checked on real Ray Train workers beside serving engines in
+tests/integration/test_mismatched_arm_live.py."""
+
+import time
+
+import pytest
+
+from specserve.drafter import memory
+from specserve.drafter.memory import MemoryPlanError, NodeMemory, Sequences, Sizes, TargetShape
+
+GB = 2**30
+# The embedded target's shape (SmolLM2-135M) in float32, as the features run on an AVX2 CPU.
+TARGET = TargetShape(
+    layers=30,
+    hidden=576,
+    intermediate=1536,
+    heads=9,
+    weight_bytes=538 * 2**20,
+    file_bytes=269 * 2**20,
+)
+SIZES = Sizes(batch_tokens=4096, max_len=3072, tokens_per_update=512, steps=3, draft_vocab=8192)
+SHORT = Sequences(longest=300, mean=200.0, per_shard=60)
+LONG = Sequences(longest=3000, mean=1800.0, per_shard=256)
+
+
+def node(room_gb: float, total_gb: float = 24, threshold: float = 0.95) -> NodeMemory:
+    used = int(total_gb * GB * threshold - room_gb * GB)
+    return NodeMemory("n", int(total_gb * GB), used, threshold)
+
+
+def test_the_room_is_what_lies_below_rays_kill_threshold():
+    assert node(5).room == pytest.approx(5 * GB, abs=2)
+    assert NodeMemory("n", 10 * GB, 10 * GB, 0.95).room == 0  # past it already: none
+
+
+def test_every_worker_asked_for_fits_where_there_is_room():
+    per_worker = memory.worker_bytes(TARGET, SHORT, SIZES)
+    assert 1.5 * GB < per_worker < 3 * GB  # the measured peaks: 1.9-2.2 GB (docs/drafters.md)
+    plan = memory.plan(2, [node(10)], TARGET, SHORT, SIZES)
+    assert (plan.workers, plan.sizes, plan.note) == (2, SIZES, "")
+    assert "2 workers of ~" in plan.describe()
+
+
+def test_fewer_workers_where_the_room_holds_fewer():
+    per_worker = memory.worker_bytes(TARGET, SHORT, SIZES)
+    room = per_worker * (1 + memory.MARGIN) * 1.5 / GB  # one and a half workers' worth
+    plan = memory.plan(2, [node(room)], TARGET, SHORT, SIZES)
+    assert plan.workers == 1 and plan.sizes == SIZES and plan.note == "2 asked"
+    # Two nodes with that room each: one worker on each.
+    assert memory.plan(2, [node(room), node(room)], TARGET, SHORT, SIZES).workers == 2
+
+
+def test_long_sequences_take_smaller_batches_then_shorter_sequences_before_a_refusal():
+    full = memory.worker_bytes(TARGET, LONG, SIZES)
+    assert full > memory.worker_bytes(TARGET, SHORT, SIZES)  # scores and held states grow
+    smaller = Sizes(1024, 3072, 512, 3, 8192)
+    room = memory.worker_bytes(TARGET, LONG, smaller) * (1 + memory.MARGIN) / GB + 0.01
+    plan = memory.plan(2, [node(room)], TARGET, LONG, SIZES)
+    assert plan.workers == 1 and plan.sizes.batch_tokens < SIZES.batch_tokens
+    assert plan.sizes.max_len == SIZES.max_len
+    assert "feature batches of 1024 tokens, not 4096" in plan.note
+    shortest = Sizes(1024, 1024, 512, 3, 8192)
+    room = memory.worker_bytes(TARGET, LONG, shortest) * (1 + memory.MARGIN) / GB + 0.01
+    plan = memory.plan(2, [node(room)], TARGET, LONG, SIZES)
+    assert plan.sizes == shortest and "sequences cut to their last 1024 tokens" in plan.note
+
+
+def test_no_room_for_one_worker_is_one_line_that_says_what_would_fit():
+    with pytest.raises(MemoryPlanError) as refused:
+        memory.plan(2, [node(0.5)], TARGET, LONG, SIZES)
+    message = str(refused.value)
+    assert "\n" not in message and "Ray's kill threshold (95% of its memory)" in message
+    assert "no node has more than 0.5 GB" in message
+
+
+def test_this_nodes_memory_and_the_threshold_ray_kills_at(monkeypatch):
+    here = memory.node_memory()
+    assert 0 < here.used < here.total and here.threshold == memory.RAY_DEFAULT_THRESHOLD
+    monkeypatch.setenv(memory.RAY_THRESHOLD_ENV, "0.8")
+    assert memory.node_memory().threshold == 0.8
+
+
+def test_the_targets_shape_and_weights_come_from_its_directory(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16,'
+        ' "num_attention_heads": 2, "dtype": "bfloat16"}'
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    shape = TargetShape.of(str(tmp_path), 4)
+    assert (shape.layers, shape.hidden, shape.weight_bytes, shape.file_bytes) == (2, 8, 2000, 1000)
+
+
+def test_sequences_summarise_lengths_and_a_shards_size():
+    assert Sequences.of([100, 300], per_shard=256) == Sequences(300, 200.0, 2)
+    assert Sequences.of([], per_shard=256) == Sequences(0, 0.0, 0)
+
+
+# One adapt worker's feature stage in a process of its own, on the embedded target: peak resident
+# memory after loading the target and after the forwards.
+PROBE = """
+import json, random, resource, sys
+import torch
+from transformers import AutoConfig
+from specserve.drafter.data import _feature_model, features_batched
+from specserve.drafter.model import DrafterConfig
+
+target, prompt, answer, count, batch = sys.argv[1], *map(int, sys.argv[2:6])
+layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
+model = _feature_model(target, 1)
+loaded = int(open("/proc/self/statm").read().split()[1]) * 4096
+rng = random.Random(0)
+sequences = [([rng.randrange(100, 40000) for _ in range(prompt + answer)], prompt)] * count
+records = features_batched(model, sequences, layers, batch)
+assert all(r is not None for r in records)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"loaded": loaded, "peak": peak}))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts():
+    """Prompts 3-4x the proof's (1,500 tokens, 200-token answers), two to a 4,096-token feature
+    forward, as a worker computes them: the measured peak stays under the plan's estimate of
+    the whole worker, and what the forwards add under its estimate of a forward."""
+    import json
+    import subprocess
+    import sys
+
+    from specserve.config.schema import load_config
+    from specserve.config.settings import DEFAULT_CONFIG_PATH
+    from specserve.hardware import fast_dtype
+    from specserve.models import resolve_model_source
+
+    target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
+    prompt, answer, count, batch = 1500, 200, 4, 4096
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, target, *map(str, (prompt, answer, count, batch))],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    shape = TargetShape.of(target, 2 if fast_dtype() == "bfloat16" else 4)
+    data = Sequences.of([prompt + answer] * count, per_shard=count)
+    sizes = Sizes(batch, 3072, 512, 3, 8192)
+    worker = memory.worker_bytes(shape, data, sizes)
+    forward = memory.forward_bytes(shape, data, sizes)
+    added = measured["peak"] - measured["loaded"]
+    print(f"peak {measured['peak'] / GB:.2f} GB (estimate {worker / GB:.2f}), forwards")
+    print(f"+{added / GB:.2f} GB (estimate {forward / GB:.2f})")
+    assert measured["peak"] <= worker and added <= forward
+
+
+def test_the_peak_is_this_processs_anonymous_memory_while_the_block_ran():
+    before = memory.anonymous_bytes()
+    with memory.AnonymousPeak(period_s=0.01) as used:
+        block = bytearray(200 * 2**20)  # zero-filled: resident
+        block[::4096] = b"x" * len(block[::4096])
+        time.sleep(0.1)  # held a while, as a forward's tensors are
+        del block
+    assert used.peak >= before + 150 * 2**20
+    assert memory.anonymous_bytes() < used.peak  # it was given back: a peak, not the end
+
+
+def test_a_refusal_in_trainings_own_process_reaches_the_caller_as_its_one_line(
+    tmp_path, monkeypatch
+):
+    """Training runs in a process of its own, whose exit code alone says nothing: the plan's
+    refusal is left in its out dir for adapt to raise (and the loop to print, exit code 2)."""
+    from specserve.drafter import adapt
+
+    def refuse(config, spec):  # noqa: ARG001
+        raise MemoryPlanError("adapt does not fit: one worker needs ~3.1 GB")
+
+    monkeypatch.setattr(adapt, "_train_on_ray", refuse)
+    spec = {"out": str(tmp_path / "train")}
+    with pytest.raises(MemoryPlanError):
+        adapt.train_on_ray(None, spec)
+    assert (tmp_path / "train" / adapt.REFUSED).read_text().startswith("adapt does not fit")

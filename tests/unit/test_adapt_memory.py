@@ -76,10 +76,10 @@ def test_no_room_for_one_worker_is_one_line_that_says_what_would_fit():
 
 
 def test_this_nodes_memory_and_the_threshold_ray_kills_at(monkeypatch):
-    here = memory.node_memory()
+    here = memory.node_memory("here")
     assert 0 < here.used < here.total and here.threshold == memory.RAY_DEFAULT_THRESHOLD
     monkeypatch.setenv(memory.RAY_THRESHOLD_ENV, "0.8")
-    assert memory.node_memory().threshold == 0.8
+    assert memory.node_memory("here").threshold == 0.8
 
 
 def test_the_targets_shape_and_weights_come_from_its_directory(tmp_path):

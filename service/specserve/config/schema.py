@@ -53,6 +53,8 @@ PACKAGED_DRAFTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 HUB_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$"
 # A pin is a commit id: a branch or a tag can be moved by whoever can push to the repository.
 COMMIT_PATTERN = r"^[0-9a-f]{40}$"
+# vLLM's engine arguments that `model.revision` sets: weights, code and tokenizer, one commit.
+MODEL_REVISION_ARGS = ("revision", "code_revision", "tokenizer_revision")
 # A config document is at most this large: the ConfigMap that carries it on Kubernetes holds at
 # most 1 MiB, and the router reads the file on every change.
 MAX_CONFIG_BYTES = 1 << 20
@@ -119,14 +121,19 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _revision_pins_a_hub_repository(self) -> ModelConfig:
-        if self.revision is not None and not is_hub_id(self.source):
-            raise ValueError(f"`revision` pins a hub repository; `{self.source}` is none")
+        check_pin(self.source, self.revision)
         return self
 
 
 def is_hub_id(source: str) -> bool:
     """Whether vLLM takes `source` from the Hugging Face hub (no scheme, no local path)."""
     return re.match(HUB_ID_PATTERN, source) is not None
+
+
+def check_pin(source: str, revision: str | None) -> None:
+    """A `revision` pins a hub repository: on any other source it is refused."""
+    if revision is not None and not is_hub_id(source):
+        raise ValueError(f"`revision` pins a hub repository; `{source}` is none")
 
 
 def unpinned_code(model: ModelConfig, arm: ArmEngineConfig) -> str | None:
@@ -232,8 +239,7 @@ class Eagle3Speculation(_Drafting):
 
     @model_validator(mode="after")
     def _revision_pins_a_hub_repository(self) -> Eagle3Speculation:
-        if self.revision is not None and not is_hub_id(self.model):
-            raise ValueError(f"`revision` pins a hub repository; `{self.model}` is none")
+        check_pin(self.model, self.revision)
         return self
 
 
@@ -349,9 +355,7 @@ class ArmEngineConfig(_Strict):
             "served_model_name": "model.name",
             # One pin for weights, tokenizer and code: the model's (vLLM's revision for the
             # drafter is `speculative.revision`).
-            "revision": "model.revision",
-            "code_revision": "model.revision",
-            "tokenizer_revision": "model.revision",
+            **dict.fromkeys(MODEL_REVISION_ARGS, "model.revision"),
         }
         for key, where in owned.items():
             if key in engine:

@@ -339,7 +339,7 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
 
     from specserve.hardware import fast_dtype
 
-    read = ray.remote(num_cpus=0)(_node_memory)
+    read = ray.remote(num_cpus=0)(memory.node_memory)
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
     found = ray.get(
         [
@@ -368,10 +368,6 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
     data = memory.Sequences.of(lengths, SHARD_SEQUENCES)
     target = memory.TargetShape.of(config.target_dir, dtype_bytes)
     return memory.plan(config.workers, found, target, data, sizes)
-
-
-def _node_memory(node: str) -> memory.NodeMemory:
-    return memory.node_memory(node)
 
 
 def _join_or_start(config: AdaptConfig) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # Ray's default kill threshold and the variable that changes it (Ray's memory monitor).
@@ -63,15 +63,14 @@ class NodeMemory:
         return max(0, int(self.total * self.threshold) - self.used)
 
 
-def node_memory(node: str = "local") -> NodeMemory:
-    """This node's memory now (run it where the workers will run: `probe_nodes`)."""
+def node_memory(node: str) -> NodeMemory:
+    """The memory of the node this runs on, labelled `node` (adapt runs it there as a Ray task:
+    `adapt.memory_plan`)."""
+    import psutil
+
     threshold = float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))
-    meminfo = dict(
-        (line.split(":")[0], int(line.split()[1]) * 1024)
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.split()[1].isdigit()
-    )
-    total, used = meminfo["MemTotal"], meminfo["MemTotal"] - meminfo["MemAvailable"]
+    machine = psutil.virtual_memory()
+    total, used = machine.total, machine.total - machine.available
     limit, current = _cgroup_memory()
     if limit is not None and limit < total:
         total, used = limit, current if current is not None else used
@@ -206,17 +205,12 @@ def plan(
     """The most workers (up to `requested`) at the largest sizes that fit; MemoryPlanError
     when not one worker fits at the smallest."""
     candidates = [sizes]
-    batch, max_len = sizes.batch_tokens, sizes.max_len
-    while batch > MIN_BATCH_TOKENS:
-        batch = max(MIN_BATCH_TOKENS, batch // 2)
-        candidates.append(
-            Sizes(batch, max_len, sizes.tokens_per_update, sizes.steps, sizes.draft_vocab)
-        )
-    while max_len > MIN_MAX_LEN:
-        max_len = max(MIN_MAX_LEN, max_len // 2)
-        candidates.append(
-            Sizes(batch, max_len, sizes.tokens_per_update, sizes.steps, sizes.draft_vocab)
-        )
+    while candidates[-1].batch_tokens > MIN_BATCH_TOKENS:
+        batch = max(MIN_BATCH_TOKENS, candidates[-1].batch_tokens // 2)
+        candidates.append(replace(candidates[-1], batch_tokens=batch))
+    while candidates[-1].max_len > MIN_MAX_LEN:
+        max_len = max(MIN_MAX_LEN, candidates[-1].max_len // 2)
+        candidates.append(replace(candidates[-1], max_len=max_len))
     for candidate in candidates:
         per_worker = worker_bytes(target, data, candidate)
         workers = min(requested, fitting(nodes, per_worker))

@@ -16,6 +16,7 @@ from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from specserve.config.schema import (
     MAX_REQUEST_TIMEOUT_S,
+    MODEL_REVISION_ARGS,
     ArmEngineConfig,
     ModelConfig,
     unpinned_code,
@@ -112,8 +113,7 @@ def engine_kwargs(arm: ArmEngineConfig, model: ModelConfig) -> dict[str, Any]:
     if model.max_model_len is not None:
         engine_kwargs["max_model_len"] = model.max_model_len
     if model.revision is not None:  # the weights, the tokenizer and the code: one commit
-        for key in ("revision", "code_revision", "tokenizer_revision"):
-            engine_kwargs[key] = model.revision
+        engine_kwargs.update(dict.fromkeys(MODEL_REVISION_ARGS, model.revision))
     if model.accelerator == "cpu":  # bf16 only where the CPU has bf16 instructions
         engine_kwargs.setdefault("dtype", fast_dtype())
     return engine_kwargs

@@ -273,6 +273,14 @@ def live(tmp_path_factory):
         platform.stop()
 
 
+def platform_used_after(request: pytest.FixtureRequest) -> bool:
+    """Whether a test after this one in the session's order uses the session platform: an
+    engine put back for none would only add its start to the session's time."""
+    items = request.session.items
+    later = items[items.index(request.node) + 1 :]
+    return any("live" in getattr(item, "fixturenames", ()) for item in later)
+
+
 @pytest.fixture
 def restore_config(live):
     """Put the session's original config back after a test that changes it."""

@@ -1,5 +1,5 @@
 """SIGKILL one of an arm's two engine replicas under load, twice: first in a short soak
-(`specserve.bench.soak`, 90 s of Poisson arrivals with a public API key, streaming and not,
+(`specserve.bench.soak`, 60 s of Poisson arrivals with a public API key, streaming and not,
 split by weight over both arms), where a request that had received nothing is replayed once on
 the live replica and a stream cut mid-way resumed there, every request is accounted for, none
 hangs, none fails, and the canary sent in every prompt is in no log file of the platform (Ray's,
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.disruptive
 CHAT = "/v1/chat/completions"
 KILLED = "no-spec"
 APP = f"arm-{KILLED}"
-SOAK_S = 90
+SOAK_S = 60
 
 
 def running_replicas(app: str) -> int:

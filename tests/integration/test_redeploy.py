@@ -2,13 +2,14 @@
 whole Serve config and Ray Serve finds the one application that changed, and the other arms
 serve on without dropping a request. The changed arm (`max_surge_percent: 100`) serves on too:
 its old engine answers until the new one runs. Disruptive (it restarts an engine): it runs after
-the tests that use the platform, and puts k back whatever happens."""
+the tests that use the platform, and puts k back whatever happens (the engine too, where a test
+after it uses the platform)."""
 
 import pytest
 
 from specserve import headers
 from specserve.config.schema import load_config
-from tests.conftest import MODEL, render_config
+from tests.conftest import MODEL, platform_used_after, render_config
 from tests.integration.serving import replica_actors, steady_traffic
 
 pytestmark = pytest.mark.disruptive
@@ -18,7 +19,7 @@ PAUSE_S = 1.5  # between one arm's requests while the new engine starts
 
 # The new engine's start, then the old k's restored: up to 600 + 300 s (the waits below).
 @pytest.mark.timeout(900)
-def test_changing_k_redeploys_only_that_arm(live, restore_config):
+def test_changing_k_redeploys_only_that_arm(live, restore_config, request):
     no_spec_before = replica_actors("arm-no-spec")
     ngram_before = replica_actors("arm-ngram")
     assert no_spec_before and ngram_before
@@ -26,10 +27,11 @@ def test_changing_k_redeploys_only_that_arm(live, restore_config):
     try:
         redeploy_with_k2_under_traffic(live, no_spec_before, ngram_before)
     finally:
-        # Put k back for anything that runs after, even after a failure.
+        # Put k back for any test that runs after and uses the platform, even after a failure.
         live.write_config(render_config())
-        live.platform.deploy(load_config(live.config_path))
-        live.platform.wait_until_running(timeout_s=300)
+        if platform_used_after(request):
+            live.platform.deploy(load_config(live.config_path))
+            live.platform.wait_until_running(timeout_s=300)
 
 
 def redeploy_with_k2_under_traffic(live, no_spec_before: set, ngram_before: set) -> None:

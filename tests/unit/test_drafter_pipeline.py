@@ -73,6 +73,49 @@ def test_shuffled_order_is_random_but_stable_under_insertion():
     assert [k for k in grown if k != "new"] == order
 
 
+def test_prompts_of_some_kinds_are_all_kinds_filtered_and_unasked_sources_stay_unread(
+    monkeypatch,
+):
+    from specserve.drafter import prompts
+
+    pages = [(f"page{i}", f"A long page number {i}. " * 500) for i in range(40)]
+    monkeypatch.setattr(prompts, "man_pages", lambda: pages)
+    monkeypatch.setattr(prompts, "package_docs", lambda: [("pkg", "A package. " * 50)])
+    everything = {side: prompts.build_prompts(held_out=side) for side in (True, False)}
+    assert {p.kind for p in everything[True]} == set(prompts.KINDS)
+
+    def unread():
+        raise AssertionError("a source no asked kind needs was read")
+
+    monkeypatch.setattr(prompts, "man_pages", unread)
+    monkeypatch.setattr(prompts, "package_docs", unread)
+    for kinds in ({"chat"}, {"chat", "code"}, {"perturbed"}, {"code", "template"}):
+        for side, whole in everything.items():
+            some = prompts.build_prompts(held_out=side, kinds=kinds)
+            assert some == [p for p in whole if p.kind in kinds], (kinds, side)
+            assert some or not side  # perturbed and template prompts are held out only
+    with pytest.raises(ValueError, match="unknown prompt kinds"):
+        prompts.build_prompts(held_out=True, kinds={"poetry"})
+
+
+def test_eval_sets_hold_the_sets_asked_for_each_of_its_own_kind(monkeypatch):
+    from specserve.drafter import prompts
+    from specserve.drafter.pipeline import EVAL_SETS, eval_sets
+
+    def unread():
+        raise AssertionError("man pages read for sets without long prompts")
+
+    monkeypatch.setattr(prompts, "man_pages", unread)
+    sets = eval_sets(3, ("chat", "coding", "template"))
+    assert list(sets) == ["chat", "coding", "template"]
+    assert all(len(prompts_) == 3 for prompts_ in sets.values())
+    assert all(isinstance(m, list) and m[-1]["role"] == "user" for m in sets["chat"])
+    assert all(isinstance(t, str) for t in sets["template"])  # rendered in a foreign template
+    assert set(EVAL_SETS) >= {"chat", "coding", "long", "perturbed", "template"}
+    with pytest.raises(ValueError, match="unknown prompt sets"):
+        eval_sets(3, ("poetry",))
+
+
 def test_held_out_split_is_about_a_fifth_and_stable():
     keys = [f"item {i}" for i in range(5000)]
     held = [k for k in keys if is_held_out(k)]

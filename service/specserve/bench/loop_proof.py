@@ -137,10 +137,9 @@ def score(target: str, drafters: dict[str, str], held_out: int, per_set: int, ou
     from specserve.drafter.evaluate import evaluate, write_report
     from specserve.drafter.pipeline import eval_sets
 
-    originals = eval_sets(per_set)
     sets = {
         EXTRACTION_SET: extraction_requests(held_out, held_out=True),
-        **{name: originals[name] for name in ORIGINAL_SETS},
+        **eval_sets(per_set, ORIGINAL_SETS),
     }
     # One thread and a 1 GiB KV cache: the serving engines still hold the rest of the machine.
     write_report(evaluate(target, drafters, sets, ks=(3,), max_tokens=128, threads=1), out)

@@ -653,10 +653,11 @@ def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict],
     from specserve.drafter.evaluate import evaluate, write_report
     from specserve.drafter.pipeline import eval_sets
 
-    originals = eval_sets(config.original_per_set) if config.original_per_set else {}
+    per_set = config.original_per_set
+    originals = eval_sets(per_set, ORIGINAL_SETS) if per_set else {}
     sets = {
         CAPTURED_SET: [scored_prompt(row) for row in held_out],
-        **{name: originals[name] for name in ORIGINAL_SETS if originals.get(name)},
+        **{name: prompts for name, prompts in originals.items() if prompts},
     }
     results = evaluate(
         config.target_dir,

@@ -44,7 +44,7 @@ def held_out_records(
     answers = {name: work_dir / f"{name}-{per_set}-{max_new_tokens}.jsonl" for name in SETS}
     missing = [name for name, path in answers.items() if not path.exists()]
     if missing:
-        sets = eval_sets(per_set)
+        sets = eval_sets(per_set, missing)
         for name, rows in _target_answers(target_dir, sets, missing, max_new_tokens).items():
             answers[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
     records = {}

@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -320,19 +321,32 @@ def variant_drafter(target_dir: str, records: list[dict], variant: str):
     )
 
 
-def eval_sets(per_set: int) -> dict[str, list]:
-    """Held-out prompt sets: chat, coding, long context (>= 2,000 tokens), perturbed system
-    prompts (conversations), and foreign chat templates (plain prompts, already rendered)."""
-    held_out = build_prompts(held_out=True)
+# The held-out sets by name, each of one prompt kind (prompts.KINDS).
+EVAL_SETS = {
+    "chat": "chat",
+    "coding": "code",
+    "long": "long",
+    "perturbed": "perturbed",
+    "template": "template",
+}
+
+
+def eval_sets(per_set: int, names: Collection[str] = tuple(EVAL_SETS)) -> dict[str, list]:
+    """Held-out prompt sets (`names`, all by default): chat, coding, long context (>= 2,000
+    tokens), perturbed system prompts (conversations), and foreign chat templates (plain
+    prompts, already rendered). Only the sources of the sets named are read."""
+    unknown = set(names) - set(EVAL_SETS)
+    if unknown:
+        raise ValueError(f"unknown prompt sets {sorted(unknown)}; known: {', '.join(EVAL_SETS)}")
+    held_out = build_prompts(held_out=True, kinds={EVAL_SETS[name] for name in names})
     by_kind: dict[str, list[Prompt]] = {}
     for p in held_out:
         by_kind.setdefault(p.kind, []).append(p)
-    wanted = {"chat": "chat", "code": "coding", "long": "long", "perturbed": "perturbed"}
-    sets: dict[str, list] = {
-        label: [p.messages for p in by_kind.get(kind, [])[:per_set]]
-        for kind, label in wanted.items()
-    }
-    sets["template"] = [
-        render(p.messages, p.meta["template"]) for p in by_kind.get("template", [])[:per_set]
-    ]
+    sets: dict[str, list] = {}
+    for name in names:
+        chosen = by_kind.get(EVAL_SETS[name], [])[:per_set]
+        if name == "template":
+            sets[name] = [render(p.messages, p.meta["template"]) for p in chosen]
+        else:
+            sets[name] = [p.messages for p in chosen]
     return sets

@@ -20,7 +20,7 @@ import pkgutil
 import random
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,9 +235,14 @@ FOLLOW_UPS = [
 ]
 
 
+# What a prompt asks for: chat, code, documentation, a long document, and (held out only) chat and
+# code under unseen system prompts or in a foreign chat template.
+KINDS = ("chat", "code", "doc", "long", "perturbed", "template")
+
+
 @dataclass
 class Prompt:
-    kind: str  # chat | code | doc | long | perturbed | template
+    kind: str  # one of KINDS
     messages: list[Message]
     source: str = ""
     meta: dict = field(default_factory=dict)
@@ -402,16 +407,27 @@ def package_docs() -> Iterator[tuple[str, str]]:
 # -- prompt sets ---------------------------------------------------------------------------------
 
 
-def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> list[Prompt]:
-    """All prompts of one side (training or held-out evaluation), in a reproducible random order.
+def build_prompts(
+    *, held_out: bool, seed: int = 0, long_chars: int = 10000, kinds: Collection[str] = KINDS
+) -> list[Prompt]:
+    """All prompts of one side (training or held-out evaluation) of `kinds`, in a reproducible
+    random order.
 
     Every item draws its template and system prompt from its own generator and the order is by
     a hash of each prompt, so one item more or less (a module that does not import here, a man
-    page that failed to render) changes nothing about the others."""
+    page that failed to render) changes nothing about the others, and the prompts of some kinds
+    are those of all kinds, filtered: sources no kind asked for are not read (the man pages
+    alone take a minute to render)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown prompt kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     side = f"{seed}:{'held-out' if held_out else 'train'}"
+    derived = held_out and bool({"perturbed", "template"} & set(kinds))
+    # Perturbed and template prompts are chat and code prompts made over.
+    built = set(kinds) | ({"chat", "code"} if derived else set())
     prompts: list[Prompt] = []
 
-    for topic in CHAT_TOPICS:
+    for topic in CHAT_TOPICS if "chat" in built else ():
         for template in CHAT_TEMPLATES:
             user = template.format(t=topic)
             if is_held_out(user) != held_out:
@@ -425,7 +441,7 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
                 ]
             prompts.append(Prompt("chat", messages, source="topics"))
 
-    for name, sig, doc in stdlib_functions():
+    for name, sig, doc in stdlib_functions() if {"code", "doc"} & built else ():
         if is_held_out(name) != held_out:
             continue
         rng = _item_rng(side, name)
@@ -434,28 +450,28 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=doc)
         prompts.append(Prompt("doc", _with_system(rng, user), source="stdlib-doc"))
 
-    for name, text in pydoc_topics():
+    for name, text in pydoc_topics() if "doc" in built else ():
         if is_held_out("topic:" + name) != held_out:
             continue
         rng = _item_rng(side, "topic:" + name)
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text[:2500])
         prompts.append(Prompt("doc", _with_system(rng, user), source="pydoc-topics"))
 
-    for name, text in package_docs():
+    for name, text in package_docs() if "doc" in built else ():
         if is_held_out("pkg:" + name) != held_out:
             continue
         rng = _item_rng(side, "pkg:" + name)
         user = rng.choice(DOC_TEMPLATES).format(name=name, doc=text)
         prompts.append(Prompt("doc", _with_system(rng, user), source="packages"))
 
-    for name, text in man_pages():
+    for name, text in man_pages() if "long" in built else ():
         if is_held_out("man:" + name) != held_out:
             continue
         rng = _item_rng(side, "man:" + name)
         user = rng.choice(LONG_TEMPLATES).format(doc=text[:long_chars])
         prompts.append(Prompt("long", _with_system(rng, user), source="man"))
 
-    if held_out:  # the same kinds of request under system prompts never seen in training
+    if derived:  # the same kinds of request under system prompts never seen in training
         chat = shuffled([p for p in prompts if p.kind in ("chat", "code")], side + ":perturbed")
         for p in chat[:60]:
             user = next(m["content"] for m in p.messages if m["role"] == "user")
@@ -471,7 +487,7 @@ def build_prompts(*, held_out: bool, seed: int = 0, long_chars: int = 10000) -> 
                 Prompt("template", messages, source=p.source, meta={"template": template})
             )
 
-    return shuffled(prompts, side)
+    return shuffled([p for p in prompts if p.kind in kinds], side)
 
 
 def first_turn(messages: list[Message]) -> list[Message]:

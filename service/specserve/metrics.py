@@ -58,6 +58,9 @@ STAT = "stat"
 BATCH_SIZES = "batch_sizes"  # a k schedule's range of batch sizes, as the config writes it
 KEY = "key"  # an API key's name (never the key)
 KEYS_FILE = "keys"  # which keys file: api or admin
+# Which of UNIT_BUCKETS groups a request's randomisation unit hashes to (router/selection.py).
+UNIT_BUCKET = "unit_bucket"
+UNIT_BUCKETS = 32
 
 # Request outcomes (label values of specserve_requests_total).
 OUTCOME_OK = "ok"
@@ -109,6 +112,13 @@ REQUEST_STAT_COUNT = f"{PREFIX}_request_stat_count"
 REQUEST_STAT_SUM = f"{PREFIX}_request_stat_sum"
 REQUEST_STAT_SQUARES = f"{PREFIX}_request_stat_squares"
 AB_STATS = (TIME_PER_OUTPUT_TOKEN, REQUEST_OUTPUT_SPEED, REQUEST_ACCEPTANCE_LENGTH)
+# The same requests' count and sum by the bucket of their randomisation unit (the sticky key, or
+# the request itself without one), and the randomized selections by bucket: a user's requests all
+# fall in one bucket, so the buckets are independent groups and the A/B report's intervals and
+# sample-ratio check hold however many requests one user sends (cluster-robust, ab/report.py).
+UNIT_STAT_COUNT = f"{PREFIX}_unit_stat_count"
+UNIT_STAT_SUM = f"{PREFIX}_unit_stat_sum"
+UNIT_SELECTIONS = f"{PREFIX}_unit_selections"
 OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
@@ -151,6 +161,9 @@ COUNTERS = (
     REQUEST_STAT_COUNT,
     REQUEST_STAT_SUM,
     REQUEST_STAT_SQUARES,
+    UNIT_STAT_COUNT,
+    UNIT_STAT_SUM,
+    UNIT_SELECTIONS,
     API_KEY_REQUESTS,
     API_KEY_OUTPUT_TOKENS,
     CAPTURED_RECORDS,
@@ -274,6 +287,24 @@ class RouterMetrics:
             REQUEST_STAT_SQUARES,
             "Sum of the squared observations of the per-request histogram named by `stat`, by key.",
             (*arm, STAT, KEY),
+        )
+        self.unit_stat_count = Counter(
+            UNIT_STAT_COUNT,
+            "Weighted and sticky requests observed by the per-request histogram named by `stat`, "
+            "by the bucket of their randomisation unit.",
+            (*arm, STAT, UNIT_BUCKET),
+        )
+        self.unit_stat_sum = Counter(
+            UNIT_STAT_SUM,
+            "Exact sum of the observations of the per-request histogram named by `stat`, by the "
+            "bucket of their randomisation unit.",
+            (*arm, STAT, UNIT_BUCKET),
+        )
+        self.unit_selections = Counter(
+            UNIT_SELECTIONS,
+            "Requests the weights or a sticky key sent to each arm, by the bucket of their "
+            "randomisation unit.",
+            (*arm, UNIT_BUCKET),
         )
         self.output_tokens = Counter(OUTPUT_TOKENS, "Generated tokens.", arm)
         self.drafts = Counter(SPEC_DRAFTS, "Speculative verify steps (drafts proposed).", arm)
@@ -452,8 +483,12 @@ class RouterMetrics:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def count_selection(self, arm: str, selected_by: str, fallback_from: str | None) -> None:
+    def count_selection(
+        self, arm: str, selected_by: str, fallback_from: str | None, unit_bucket: str
+    ) -> None:
         self.arm_selections.inc(1, self._tags(arm, **{SELECTED_BY: selected_by}))
+        if selected_by != SELECTED_BY_OVERRIDE:
+            self.unit_selections.inc(1, self._tags(arm, **{UNIT_BUCKET: unit_bucket}))
         if fallback_from is not None:
             self.routing_fallbacks.inc(1, self._tags(fallback_from))
 
@@ -478,6 +513,7 @@ class RouterMetrics:
         output_tokens: int,
         randomized: bool = True,
         key: str = NO_KEY,
+        unit_bucket: str,
     ) -> None:
         """One successful request: latencies (TTFT and TPOT only when streamed) and tokens;
         `randomized` ones also in the A/B statistics, under the name of the key that sent it."""
@@ -487,14 +523,26 @@ class RouterMetrics:
             self.time_to_first_token.observe(ttft_s, tags)
         if tpot_s is not None:
             self._observe_with_square(
-                self.time_per_output_token, TIME_PER_OUTPUT_TOKEN, arm, tpot_s, randomized, key
+                self.time_per_output_token,
+                TIME_PER_OUTPUT_TOKEN,
+                arm,
+                tpot_s,
+                randomized,
+                key,
+                unit_bucket,
             )
         if output_tokens:
             self.output_tokens.inc(output_tokens, tags)
             if e2e_s > 0:
                 speed = output_tokens / e2e_s
                 self._observe_with_square(
-                    self.output_speed, REQUEST_OUTPUT_SPEED, arm, speed, randomized, key
+                    self.output_speed,
+                    REQUEST_OUTPUT_SPEED,
+                    arm,
+                    speed,
+                    randomized,
+                    key,
+                    unit_bucket,
                 )
 
     def _observe_with_square(
@@ -505,17 +553,27 @@ class RouterMetrics:
         x: float,
         randomized: bool,
         key: str,
+        unit_bucket: str,
     ) -> None:
         histogram.observe(x, self._tags(arm))
         if randomized:
             tags = self._tags(arm, **{STAT: name, KEY: key})
+            unit_tags = self._tags(arm, **{STAT: name, UNIT_BUCKET: unit_bucket})
             self.stat_count.inc(1, tags)
+            self.unit_stat_count.inc(1, unit_tags)
             if x > 0:  # Ray's counters refuse increments of 0
                 self.stat_sum.inc(x, tags)
                 self.stat_squares.inc(x * x, tags)
+                self.unit_stat_sum.inc(x, unit_tags)
 
     def observe_spec_decode(
-        self, arm: str, stats: dict, randomized: bool = True, key: str = NO_KEY
+        self,
+        arm: str,
+        stats: dict,
+        *,
+        randomized: bool = True,
+        key: str = NO_KEY,
+        unit_bucket: str,
     ) -> None:
         """Count one request's speculative-decoding stats (vLLM's per-request summary)."""
         tags = self._tags(arm)
@@ -530,7 +588,13 @@ class RouterMetrics:
         if steps:
             length = 1 + int(stats.get("num_accepted_draft_tokens") or 0) / steps
             self._observe_with_square(
-                self.acceptance_length, REQUEST_ACCEPTANCE_LENGTH, arm, length, randomized, key
+                self.acceptance_length,
+                REQUEST_ACCEPTANCE_LENGTH,
+                arm,
+                length,
+                randomized,
+                key,
+                unit_bucket,
             )
         per_position = accepted_per_position(stats.get("acceptance_histogram") or [])
         for position, accepted in enumerate(per_position):

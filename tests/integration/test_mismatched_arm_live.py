@@ -48,6 +48,7 @@ from specserve.metrics import (
     ARM_DRAINED,
     EXPORT_PREFIX,
     GUARDRAIL_DRAINS,
+    REQUEST_OUTPUT_SPEED,
     REQUEST_STAT_COUNT,
     scrape,
 )
@@ -165,7 +166,14 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
     for arm, count in counts.items():
         assert set(totals[arm].by_key) == {"test-admin"}
         assert totals[arm].by_key["test-admin"].n == pytest.approx(count, rel=0.06)
+        # By the bucket of each request's unit (its session: a new user each time), every
+        # request counted though most buckets' series begin in the experiment.
+        assert totals[arm].clustered[REQUEST_OUTPUT_SPEED].n == pytest.approx(count, rel=0.06)
+        assert sum(totals[arm].selections_by_bucket.values()) == pytest.approx(count, rel=0.06)
     rows = rows_of(report)
+    assert report["unit"] == "sticky key" and report["cluster_robust"]
+    assert "unit: sticky key (intervals and split cluster-robust" in run.stdout
+    assert min(rows[arm]["unit_groups"] for arm in counts) >= 8
     assert rows[MISMATCHED]["by_key"] == {}  # one key: its segment is the whole arm
     assert report["baseline"] == "no-spec" and set(rows) >= {"no-spec", MISMATCHED}
     worse = rows[MISMATCHED]

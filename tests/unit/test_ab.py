@@ -11,15 +11,23 @@ from specserve.ab.report import (
     KEEP_TESTING,
     PROMOTE,
     ROLL_BACK,
+    UNIT_MIXED,
+    UNIT_REQUEST,
+    UNIT_STICKY_KEY,
     Options,
     compare,
     render,
     speedup_by_load,
     suggest_k,
 )
-from specserve.ab.sequential import Moments, difference, mixture_half_width
+from specserve.ab.sequential import Clustered, Moments, difference, mixture_half_width
 from specserve.bench.ab_false_positives import simulate
-from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
+from specserve.metrics import (
+    REQUEST_ACCEPTANCE_LENGTH,
+    REQUEST_OUTPUT_SPEED,
+    TIME_PER_OUTPUT_TOKEN,
+    UNIT_BUCKETS,
+)
 
 
 def moments(values) -> Moments:
@@ -66,6 +74,108 @@ def test_watching_identical_arms_stays_under_alpha_where_peeking_at_fixed_interv
     assert same["fixed_sample"]["detected"] > 0.15
     slower = simulate(experiments=100, requests=1000, look_every=10, effect=0.1, seed=8)
     assert slower["always_valid"]["detected"] >= 0.9
+
+
+def test_a_users_requests_are_one_unit_the_interval_over_groups_of_users_holds():
+    """Sticky users who each send many requests at speeds of their own: taken as independent
+    requests, identical arms differ "with confidence" in most experiments; over the groups of
+    users (what the report does) in at most alpha of them, and as often as before when the
+    requests are independent; a large difference is still found."""
+    users = simulate(experiments=150, requests=600, look_every=30, effect=0.0, seed=1, users=20)
+    assert users["always_valid"]["detected"] > 0.3
+    assert users["clustered"]["detected"] <= 0.05
+    independent = simulate(experiments=100, requests=1000, look_every=10, effect=0.1, seed=8)
+    assert independent["clustered"]["detected"] >= 0.9
+    # Half as fast, 300 users (the busiest ~16 % of the traffic): found in most experiments, not
+    # all: a few heavy users decide a mean, however many requests they send.
+    slower = simulate(experiments=50, requests=2000, look_every=50, effect=0.5, seed=3, users=300)
+    assert slower["clustered"]["detected"] >= 0.8
+
+
+def test_cluster_robust_variance_is_the_sandwich_and_one_request_per_group_is_the_usual_one():
+    rng = np.random.default_rng(4)
+    values = rng.lognormal(3, 0.5, 40)
+    singletons = Clustered(tuple((1.0, float(v)) for v in values))
+    assert singletons.value() == pytest.approx(values.mean())
+    assert singletons.variance_of_mean() == pytest.approx(moments(values).variance_of_mean())
+    # Two groups of 20 alike requests each: two observations' worth of spread, not forty.
+    groups = Clustered(((20.0, 20 * 10.0), (20.0, 20 * 30.0)))
+    assert groups.n == 40 and groups.value() == 20.0
+    assert groups.variance_of_mean() == pytest.approx(2 / 1 * (100 * 20**2 * 2) / 40**2)
+    assert math.isnan(Clustered(((5.0, 50.0),)).variance_of_mean())
+
+
+def clustered_arm(weight, groups, sticky=True):
+    """An arm whose requests come from users in `groups`: {bucket: per-request speeds}."""
+    speeds = np.concatenate(list(groups.values()))
+    totals = arm(weight, len(speeds), speeds)
+    totals.sticky = len(speeds) if sticky else 0.0
+    totals.clustered[REQUEST_OUTPUT_SPEED] = Clustered(
+        tuple((float(len(v)), float(np.sum(v))) for v in groups.values())
+    )
+    totals.selections_by_bucket = {b: float(len(v)) for b, v in groups.items()}
+    return totals
+
+
+def test_the_verdict_waits_for_enough_groups_of_users_and_a_heavy_user_is_no_mismatch():
+    rng = np.random.default_rng(6)
+
+    def users(buckets, mean, per_user):
+        return {str(b): mean * rng.lognormal(0, 0.2, per_user) for b in buckets}
+
+    # Three heavy users per arm, the challenger much faster: per request a sure promotion.
+    base = clustered_arm(1, users((0, 1, 2), 30, 100))
+    few = clustered_arm(1, users((3, 4, 5), 45, 100))
+    report = compare({"base": base, "new": few}, {}, {}, Options(baseline="base"))
+    row = report["arms"][1]
+    assert report["unit"] == UNIT_STICKY_KEY and report["cluster_robust"]
+    assert row["unit_groups"] == 3 and row["verdict"] == KEEP_TESTING
+    assert f"3 of {UNIT_BUCKETS} groups" in row["reason"] and "too few users" in row["reason"]
+    # Many users: the same difference is a promotion.
+    many = {
+        "base": clustered_arm(1, users(range(0, 32, 2), 30, 20)),
+        "new": clustered_arm(1, users(range(1, 32, 2), 45, 20)),
+    }
+    row = compare(many, {}, {}, Options(baseline="base"))["arms"][1]
+    assert row["verdict"] == PROMOTE and row["unit_groups"] == 16
+    # One user sending half of one arm's requests moves the split far from the weights (a
+    # request-level check would call it a mismatch) but not beyond what its groups explain.
+    heavy = users(range(0, 32, 2), 30, 20)
+    heavy["0"] = 30 * rng.lognormal(0, 0.2, 320)
+    skewed = {"base": clustered_arm(1, heavy), "new": many["new"]}
+    row = compare(skewed, {}, {}, Options(baseline="base"))["arms"][1]
+    assert row["traffic"]["observed"] < 0.4 and not row["traffic"]["mismatch"]
+    # A split off its weights in every group is one.
+    lopsided = {
+        "base": clustered_arm(1, {str(b): np.full(30, 30.0) for b in range(16)}),
+        "new": clustered_arm(1, {str(b): np.full(10, 30.0) for b in range(16)}),
+    }
+    row = compare(lopsided, {}, {}, Options(baseline="base"))["arms"][1]
+    assert row["traffic"]["mismatch"] and "weight share" in row["reason"]
+
+
+def test_the_report_names_its_unit():
+    speeds = {str(b): np.full(3, 30.0) for b in range(10)}
+    sticky = {"a": clustered_arm(1, speeds), "b": clustered_arm(1, speeds)}
+    unsticky = {"a": clustered_arm(1, speeds, sticky=False), "b": clustered_arm(1, speeds)}
+    old = {"a": arm(1, 30, np.full(30, 30.0)), "b": arm(1, 30, np.full(30, 30.0))}
+    old["a"].sticky = 30
+    no_keys = {name: clustered_arm(1, speeds, sticky=False) for name in "ab"}
+    for arms, unit, robust in (
+        (sticky, UNIT_STICKY_KEY, True),
+        (unsticky, UNIT_MIXED, True),
+        (no_keys, UNIT_REQUEST, True),
+        (old, UNIT_MIXED, False),
+    ):
+        report = compare(arms, {}, {}, Options(baseline="a"))
+        assert (report["unit"], report["cluster_robust"]) == (unit, robust)
+        shown = render(
+            report
+            | {"model": "m", "revision": "r", "since": 0, "now": 60, "alpha": 0.05}
+            | {"baseline": "a"}
+        )
+        assert f"unit: {unit} (" in shown
+        assert ("cluster-robust" in shown) == robust
 
 
 def arm(weight, randomized, speeds, tpots=None, lengths=None, drafts=0.0, positions=()):

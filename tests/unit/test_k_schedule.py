@@ -150,7 +150,7 @@ def test_ab_report_recommends_the_schedule_tune_writes(tmp_path):
         {},
         Options(baseline="base", round_costs=tmp_path),
     )
-    report = {"arms": rows["arms"], "since": 0, "now": 60, "model": "m", "revision": "r"}
+    report = rows | {"since": 0, "now": 60, "model": "m", "revision": "r"}
     report |= {"alpha": 0.05, "baseline": "base"}
     assert "e: 1-8: k=3, 9-22: k=1, 23+: k=0" in render(report)
     assert suggest_schedule("e", totals, None) is None

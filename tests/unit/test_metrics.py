@@ -41,7 +41,7 @@ def scrape_until(url, done, timeout_s: float = 30, tick=None) -> dict:
 
 
 OWN_LABELS = {m.MODEL, m.ARM, m.OUTCOME, m.ENDPOINT, m.POSITION, m.RESULT, m.REVISION}
-OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, m.BATCH_SIZES, m.KEYS_FILE, "le"}
+OWN_LABELS |= {m.SELECTED_BY, m.STAT, m.KEY, m.BATCH_SIZES, m.KEYS_FILE, m.UNIT_BUCKET, "le"}
 
 
 @pytest.mark.own_cluster
@@ -51,16 +51,19 @@ def test_router_metrics_as_ray_exports_them(exporter):
     metrics.set_active_config("rev2", {"a": 2}, {"a": [("1-4", 3), ("5+", 0)]})  # b removed
     metrics.set_running({"a": True})
     metrics.count_reload(m.RELOAD_INVALID)
-    metrics.count_selection("a", m.SELECTED_BY_STICKY, fallback_from="b")
+    metrics.count_selection("a", m.SELECTED_BY_STICKY, fallback_from="b", unit_bucket="5")
+    metrics.count_selection("a", m.SELECTED_BY_OVERRIDE, fallback_from=None, unit_bucket="6")
     metrics.count_request("a", "chat", m.OUTCOME_OK)
-    metrics.observe_request("a", e2e_s=0.3, ttft_s=0.02, tpot_s=0.03, output_tokens=7, key="team-a")
+    metrics.observe_request(
+        "a", e2e_s=0.3, ttft_s=0.02, tpot_s=0.03, output_tokens=7, key="team-a", unit_bucket="5"
+    )
     stats = {
         "acceptance_histogram": [1, 0, 1, 2],
         "num_spec_steps": 4,
         "num_accepted_draft_tokens": 8,
         "num_draft_tokens": 12,
     }
-    metrics.observe_spec_decode("a", stats)
+    metrics.observe_spec_decode("a", stats, unit_bucket="5")
     metrics.count_drain("a")
     metrics.count_retry("a")
     metrics.count_resume("a")
@@ -135,6 +138,14 @@ def test_router_metrics_as_ray_exports_them(exporter):
     assert moments(m.REQUEST_OUTPUT_SPEED) == pytest.approx((1, 7 / 0.3, (7 / 0.3) ** 2))
     assert moments(m.REQUEST_ACCEPTANCE_LENGTH, key=m.NO_KEY) == (1, 3, 9)
     assert moments(m.TIME_PER_OUTPUT_TOKEN) == pytest.approx((1, 0.03, 0.03**2))
+    # The same by the bucket of the request's randomisation unit; a forced selection has none.
+    for stat, total in ((m.REQUEST_OUTPUT_SPEED, 7 / 0.3), (m.REQUEST_ACCEPTANCE_LENGTH, 3)):
+        assert value(m.UNIT_STAT_COUNT + "_total", arm="a", stat=stat, unit_bucket="5") == 1
+        assert value(m.UNIT_STAT_SUM + "_total", arm="a", stat=stat, unit_bucket="5") == (
+            pytest.approx(total)
+        )
+    assert value(m.UNIT_SELECTIONS + "_total", arm="a", unit_bucket="5") == 1
+    assert sample(m.UNIT_SELECTIONS + "_total", arm="a", unit_bucket="6") not in got
     # Only the active revision and the configured arms remain.
     assert value(m.CONFIG_INFO, revision="rev2") == 1
     assert sample(m.CONFIG_INFO, revision="rev1") not in got

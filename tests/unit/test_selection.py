@@ -3,7 +3,12 @@ from collections import Counter
 
 import pytest
 
-from specserve.metrics import SELECTED_BY_OVERRIDE, SELECTED_BY_STICKY, SELECTED_BY_WEIGHT
+from specserve.metrics import (
+    SELECTED_BY_OVERRIDE,
+    SELECTED_BY_STICKY,
+    SELECTED_BY_WEIGHT,
+    UNIT_BUCKETS,
+)
 from specserve.router.selection import (
     ArmNotRunningError,
     Selection,
@@ -12,6 +17,7 @@ from specserve.router.selection import (
     load_salt,
     random_arm,
     sticky_arm,
+    unit_bucket,
 )
 
 KEYS = [f"user-{i}" for i in range(20_000)]
@@ -153,3 +159,22 @@ def test_a_salt_reassigns_keys_as_a_fresh_draw_keeping_the_split_and_stickiness(
 def test_a_salt_file_that_cannot_be_read_leaves_the_hash_unsalted_and_says_so(tmp_path, caplog):
     assert load_salt(str(tmp_path / "missing")) == b""
     assert "unsalted" in caplog.text
+
+
+def test_a_keys_unit_bucket_is_fixed_and_independent_of_its_arm():
+    """All of a key's requests share one bucket (the report's cluster-robust groups need it), the
+    keys of each arm spread evenly over the buckets (a bucket does not tell the arm), and a
+    request without a key is its own unit in a random bucket."""
+    assert {unit_bucket("user-7", b"s") for _ in range(5)} == {unit_bucket("user-7", b"s")}
+    weights = {"a": 1, "b": 1}
+    by_arm: dict[str, Counter] = {"a": Counter(), "b": Counter()}
+    for key in KEYS:
+        by_arm[sticky_arm(key, weights)][unit_bucket(key)] += 1
+    for counts in by_arm.values():
+        n = sum(counts.values())
+        assert set(counts) == {str(b) for b in range(UNIT_BUCKETS)}
+        expected = n / UNIT_BUCKETS
+        assert max(abs(c - expected) for c in counts.values()) < 5 * expected**0.5
+    rng = random.Random(3)
+    keyless = Counter(unit_bucket(None, rng=rng) for _ in range(3200))
+    assert len(keyless) == UNIT_BUCKETS and min(keyless.values()) > 50

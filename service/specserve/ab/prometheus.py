@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from specserve.ab.sequential import Moments
+from specserve.ab.sequential import Clustered, Moments
 from specserve.metrics import (
     AB_STATS,
     ARM,
@@ -37,6 +37,10 @@ from specserve.metrics import (
     SPEC_DRAFTED_PER_POSITION,
     SPEC_DRAFTS,
     STAT,
+    UNIT_BUCKET,
+    UNIT_SELECTIONS,
+    UNIT_STAT_COUNT,
+    UNIT_STAT_SUM,
 )
 
 # How far back the start of the active config revision is looked for.
@@ -74,7 +78,13 @@ class ArmTotals:
     weight: float = 0.0
     # Requests the weights or a sticky key sent here (override requests are not randomized).
     randomized: float = 0.0
+    # Of those, the ones a sticky key sent (their unit is the key; the others' the request).
+    sticky: float = 0.0
     stats: dict[str, Moments] = field(default_factory=dict)
+    # The same figures per group of randomisation units (the report's intervals when present).
+    clustered: dict[str, Clustered] = field(default_factory=dict)
+    # Randomized selections per group of units (the sample-ratio check's).
+    selections_by_bucket: dict[str, float] = field(default_factory=dict)
     # The primary figure (per-user tokens/s) per sending key's name: each key's segment.
     by_key: dict[str, Moments] = field(default_factory=dict)
     drafts: float = 0.0
@@ -154,6 +164,14 @@ class Prometheus:
         randomized = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
         for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=randomized):
             arms[labels[ARM]].randomized = value
+        sticky = f',{SELECTED_BY}="{SELECTED_BY_STICKY}"'
+        for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=sticky):
+            arms[labels[ARM]].sticky = value
+        unit_selections = _name(UNIT_SELECTIONS) + f"_total{{{selector}}}"
+        for (arm, bucket), value in self.counts(
+            unit_selections, (ARM, UNIT_BUCKET), since, now
+        ).items():
+            arms[arm].selections_by_bucket[bucket] = value
 
         def moments(stat: str, by: str) -> dict[tuple[str, ...], Moments]:
             parts: dict[tuple[str, ...], dict[str, float]] = defaultdict(dict)
@@ -174,6 +192,8 @@ class Prometheus:
         for stat in AB_STATS:
             for (arm,), found in moments(stat, ARM).items():
                 arms[arm].stats[stat] = found
+            for arm, groups in self._unit_groups(selector, stat, since, now).items():
+                arms[arm].clustered[stat] = Clustered(tuple(groups))
         for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, f"{ARM},{KEY}").items():
             arms[arm].by_key[key] = found
         for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
@@ -188,6 +208,37 @@ class Prometheus:
                 positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
                 positions[int(labels[POSITION])] = value
         return dict(arms)
+
+    def counts(
+        self, series: str, by: tuple[str, ...], since: float, now: float
+    ) -> dict[tuple[str, ...], float]:
+        """What a counter grew by in (since, now], summed by the labels `by`: each series' last
+        value in the window less its value at `since` (0 for one that did not exist yet, all of
+        it after a reset). Unlike increase(), which cannot see a series' first increment, this
+        counts series born in the window (a bucket's first request) and ones that ended in it."""
+        window = f"{max(1, math.ceil(now - since))}s"
+        before = {_series_key(labels): value for labels, value in self.vector(series, since)}
+        grown: dict[tuple[str, ...], float] = defaultdict(float)
+        for labels, last in self.vector(f"last_over_time({series}[{window}])", now):
+            start = before.get(_series_key(labels), 0.0)
+            grown[tuple(labels.get(name, "") for name in by)] += (
+                last - start if last >= start else last
+            )
+        return dict(grown)
+
+    def _unit_groups(
+        self, selector: str, stat: str, since: float, now: float
+    ) -> dict[str, list[tuple[float, float]]]:
+        """Per arm, (count, sum) of `stat` in each bucket of units that has requests."""
+        by = (ARM, UNIT_BUCKET)
+        of_stat = f'{{{selector},{STAT}="{stat}"}}'
+        sums = self.counts(_name(UNIT_STAT_SUM) + "_total" + of_stat, by, since, now)
+        counts = self.counts(_name(UNIT_STAT_COUNT) + "_total" + of_stat, by, since, now)
+        groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for (arm, bucket), count in sorted(counts.items()):
+            if count > 0:
+                groups[arm].append((count, sums.get((arm, bucket), 0.0)))
+        return groups
 
     def counted_requests(self, arm: str, at: float) -> float:
         """Weighted and sticky requests `arm` has answered so far (what the report counts)."""
@@ -234,6 +285,11 @@ class Prometheus:
         load_query = f"sum(avg_over_time({_name(REQUESTS_IN_FLIGHT)}{{{selector}}}[{window}]))"
         load = self.matrix(load_query, since, now, step_s)
         return dict(speed), (load[0][1] if load else {})
+
+
+def _series_key(labels: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """A series' identity across queries (functions drop the metric's name, selectors keep it)."""
+    return frozenset((k, v) for k, v in labels.items() if k != "__name__")
 
 
 def _name(metric: str) -> str:

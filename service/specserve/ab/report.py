@@ -5,7 +5,15 @@ now: the traffic it got against its weight, per-user output tokens/s, TPOT (stre
 and mean acceptance length, each as a difference from the baseline with an always-valid
 confidence interval (specserve/ab/sequential.py: safe to read at any time, as often as wanted),
 a verdict with its reason, the `num_speculative_tokens` its per-position acceptance suggests,
-and its speedup per load band. The unit of every comparison is the request.
+and its speedup per load band.
+
+The unit is the one the router randomised: the sticky key (session header or `user`) where a
+request has one, else the request. A user's requests share its speed, prompts and drafter luck,
+so they are not independent: the intervals and the sample-ratio check are cluster-robust over the
+groups of units the router records (metrics.UNIT_BUCKETS buckets by the unit's hash, a user's
+requests all in one), and no verdict is given while an arm's requests come from fewer than
+`min_unit_groups` groups (a few heavy users are not a sample). Where those series are missing
+(data from routers before them) the unit is the request, and the report says so.
 
 Per key too: where two API keys or more sent `min_requests` to both the arm and the baseline,
 each key's segment gets its own per-user tokens/s difference, and a promotion is held back
@@ -27,8 +35,13 @@ from typing import Any
 
 from specserve import k_schedule
 from specserve.ab.prometheus import ArmTotals, Prometheus, PrometheusError, parse_since
-from specserve.ab.sequential import Interval, Moments, difference
-from specserve.metrics import REQUEST_ACCEPTANCE_LENGTH, REQUEST_OUTPUT_SPEED, TIME_PER_OUTPUT_TOKEN
+from specserve.ab.sequential import Clustered, Interval, Moments, difference
+from specserve.metrics import (
+    REQUEST_ACCEPTANCE_LENGTH,
+    REQUEST_OUTPUT_SPEED,
+    TIME_PER_OUTPUT_TOKEN,
+    UNIT_BUCKETS,
+)
 
 PROMOTE, KEEP_TESTING, ROLL_BACK = "promote", "keep testing", "roll back"
 # The figures compared, the primary (the verdict's) first: (key in the report, metric).
@@ -41,6 +54,8 @@ FIGURES = (
 LOAD_BANDS = (("1", 1.5), ("2-4", 4.5), ("5-16", 16.5), (">16", math.inf))
 # A traffic share this many standard errors off its weight is a sample-ratio mismatch.
 SRM_Z = 4.0
+# The randomisation units the report names (`unit` in its JSON).
+UNIT_STICKY_KEY, UNIT_REQUEST, UNIT_MIXED = "sticky key", "request", "sticky key, else request"
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,8 @@ class Options:
     draft_cost: float = 0.1
     # A key segment slower than the baseline by more than this share holds a promotion back.
     max_key_loss: float = 0.1
+    # No verdict while an arm's randomized requests fall in fewer groups of units than this.
+    min_unit_groups: int = 8
     # `<arm>.json` round costs (bench.round_cost, `specserve tune`): with them the k advisor
     # recommends a k schedule, as `specserve tune` derives it.
     round_costs: Path | None = None
@@ -86,13 +103,22 @@ def compare(
     options: Options,
 ) -> dict[str, Any]:
     base = arms[options.baseline]
-    total_weight = sum(a.weight for a in arms.values() if a.weight > 0)
-    total_randomized = sum(a.randomized for a in arms.values() if a.weight > 0)
+    weighted = [a for a in arms.values() if a.weight > 0]
+    total_weight = sum(a.weight for a in weighted)
+    total_randomized = sum(a.randomized for a in weighted)
+    by_bucket: dict[str, float] = {}
+    for a in weighted:
+        for bucket, count in a.selections_by_bucket.items():
+            by_bucket[bucket] = by_bucket.get(bucket, 0.0) + count
     rows = []
     shown = {n: a for n, a in arms.items() if a.weight > 0 or _n(a) > 0 or n == options.baseline}
     for name, arm in sorted(shown.items(), key=lambda kv: kv[0] != options.baseline):
         row: dict[str, Any] = {"arm": name, "weight": arm.weight, "requests": _n(arm)}
-        row["traffic"] = traffic_share(arm, total_weight, total_randomized)
+        row["unit_groups"] = _unit_groups(arm)
+        if by_bucket:
+            row["traffic"] = clustered_traffic_share(arm, total_weight, by_bucket, options)
+        else:
+            row["traffic"] = traffic_share(arm, total_weight, total_randomized)
         for key, metric in FIGURES:
             mine, theirs = _moments(arm, metric), _moments(base, metric)
             row[key] = None if mine is None else {"mean": mine.value()}
@@ -109,9 +135,30 @@ def compare(
             speed.get(name, {}), speed.get(options.baseline, {}), load
         )
         if name != options.baseline:
-            row["verdict"], row["reason"] = verdict(row, base_n=_n(base), options=options)
+            row["verdict"], row["reason"] = verdict(
+                row, base_n=_n(base), base_groups=_unit_groups(base), options=options
+            )
         rows.append(row)
-    return {"arms": rows}
+    return {
+        "arms": rows,
+        "unit": randomisation_unit(weighted),
+        "cluster_robust": any(a.clustered for a in weighted),
+    }
+
+
+def randomisation_unit(arms: list[ArmTotals]) -> str:
+    """The unit the router randomised: the sticky key, the request, or both, by how the
+    randomized requests were chosen."""
+    sticky, randomized = sum(a.sticky for a in arms), sum(a.randomized for a in arms)
+    if sticky >= randomized > 0:
+        return UNIT_STICKY_KEY
+    return UNIT_MIXED if sticky > 0 else UNIT_REQUEST
+
+
+def _unit_groups(arm: ArmTotals) -> int | None:
+    """Groups of units with requests in the arm's primary figure; None without those series."""
+    found = arm.clustered.get(REQUEST_OUTPUT_SPEED)
+    return found.clusters if found is not None else None
 
 
 def key_segments(arm: ArmTotals, base: ArmTotals, options: Options) -> dict[str, Any]:
@@ -128,11 +175,12 @@ def key_segments(arm: ArmTotals, base: ArmTotals, options: Options) -> dict[str,
     return segments if len(segments) >= 2 else {}
 
 
-def _moments(arm: ArmTotals, metric: str) -> Moments | None:
+def _moments(arm: ArmTotals, metric: str) -> Moments | Clustered | None:
+    """The arm's observations of `metric`: per group of units where recorded, else per request."""
     if metric == REQUEST_ACCEPTANCE_LENGTH and metric not in arm.stats:
         # An arm that does not draft makes one token per engine step, exactly.
         return Moments.constant(1.0) if arm.drafts == 0 and _n(arm) > 0 else None
-    return arm.stats.get(metric)
+    return arm.clustered.get(metric) or arm.stats.get(metric)
 
 
 def _n(arm: ArmTotals) -> float:
@@ -161,6 +209,33 @@ def traffic_share(arm: ArmTotals, total_weight: float, total: float) -> dict[str
     spread = math.sqrt(expected * (1 - expected) / total) if total > 0 else math.nan
     off = abs(observed - expected) / spread if spread and spread > 0 else 0.0
     return {"expected": expected, "observed": observed, "mismatch": bool(off > SRM_Z)}
+
+
+def clustered_traffic_share(
+    arm: ArmTotals, total_weight: float, by_bucket: dict[str, float], options: Options
+) -> dict[str, Any]:
+    """traffic_share with the units' groups as the sampling unit: the share's cluster-robust
+    standard error over the buckets (a heavy user moves the share a lot, and that is no
+    mismatch). Too few groups to estimate it: no mismatch is called."""
+    expected = arm.weight / total_weight if total_weight > 0 else 0.0
+    total = sum(by_bucket.values())
+    mine = sum(arm.selections_by_bucket.values())
+    observed = mine / total if total > 0 else math.nan
+    mismatch = False
+    groups = [b for b, count in by_bucket.items() if count > 0]
+    if len(groups) >= max(2, options.min_unit_groups):
+        g = len(groups)
+        spread = sum(
+            (arm.selections_by_bucket.get(b, 0.0) - observed * by_bucket[b]) ** 2 for b in groups
+        )
+        error = math.sqrt(g / (g - 1) * spread) / total
+        # All traffic in one arm leaves no spread: any departure from the weights is a mismatch.
+        if error > 0:
+            off = abs(observed - expected) / error
+        else:
+            off = math.inf if observed != expected else 0.0
+        mismatch = bool(off > SRM_Z)
+    return {"expected": expected, "observed": observed, "mismatch": mismatch}
 
 
 def live_chain(arm: ArmTotals) -> list[float]:
@@ -226,7 +301,9 @@ def speedup_by_load(
     return out
 
 
-def verdict(row: dict[str, Any], base_n: float, options: Options) -> tuple[str, str]:
+def verdict(
+    row: dict[str, Any], base_n: float, base_groups: int | None, options: Options
+) -> tuple[str, str]:
     """Promote or roll back once per-user tokens/s differs with confidence; else keep testing."""
     if row["traffic"]["mismatch"]:
         share = row["traffic"]
@@ -237,6 +314,12 @@ def verdict(row: dict[str, Any], base_n: float, options: Options) -> tuple[str, 
     n = min(row["requests"], base_n)
     if n < options.min_requests:
         return KEEP_TESTING, f"{n:.0f} requests in the smaller arm, {options.min_requests} needed"
+    groups = [g for g in (row["unit_groups"], base_groups) if g is not None]
+    if groups and min(groups) < options.min_unit_groups:
+        return KEEP_TESTING, (
+            f"the smaller arm's requests come from units in {min(groups)} of {UNIT_BUCKETS} "
+            f"groups, {options.min_unit_groups} needed: too few users to tell"
+        )
     speed = row["tokens_per_s"]["difference"]
     shown = (
         f"tokens/s per user {speed['relative']:+.1%} "
@@ -270,6 +353,12 @@ def render(report: dict[str, Any]) -> str:
         f"model {report['model']}, config revision {report['revision']}, since {since} "
         f"({(report['now'] - report['since']) / 60:.0f} min); baseline {report['baseline']}; "
         f"always-valid {1 - report['alpha']:.0%} CIs (mixture SPRT)",
+        f"unit: {report['unit']}"
+        + (
+            f" (intervals and split cluster-robust over {UNIT_BUCKETS} groups of units)"
+            if report["cluster_robust"]
+            else " (each request taken as independent: no unit-group series)"
+        ),
         "",
     ]
     header = (
@@ -368,6 +457,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "than this share (0.1)",
     )
     parser.add_argument(
+        "--min-unit-groups",
+        type=int,
+        default=8,
+        help=f"no verdict while an arm's requests come from units in fewer of the "
+        f"{UNIT_BUCKETS} groups the router records (8)",
+    )
+    parser.add_argument(
         "--draft-cost",
         type=float,
         default=0.1,
@@ -396,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
         args.min_requests,
         args.draft_cost,
         args.max_key_loss,
+        args.min_unit_groups,
         args.round_costs,
     )
     prom = Prometheus(args.prometheus)

@@ -8,7 +8,14 @@ by `--effect` it is a detection (power), reported with the requests it took. The
 interval (mixture SPRT, the one `ab report` uses) is compared with the ordinary fixed-sample
 interval read at the same looks.
 
+With `--users U`, each arm's requests come from U users (sticky: a user stays in one arm) who
+send very different numbers of requests (Zipf) at speeds of their own: the requests are no longer
+independent. The always-valid interval taken per request then sees a difference that is not
+there far more often than alpha; taken over the groups of users the router records
+(metrics.UNIT_BUCKETS buckets by the user's hash, cluster-robust: what `ab report` does) it holds.
+
     python -m specserve.bench.ab_false_positives --experiments 1000
+    python -m specserve.bench.ab_false_positives --experiments 1000 --users 60
 """
 
 from __future__ import annotations
@@ -20,27 +27,65 @@ from statistics import NormalDist
 import numpy as np
 from tqdm import tqdm
 
-from specserve.ab.sequential import Moments, difference, fixed_sample_difference
+from specserve.ab.sequential import Clustered, Moments, difference, fixed_sample_difference
+from specserve.metrics import UNIT_BUCKETS
+
+# The intervals compared: the report's (always-valid over groups of units), the always-valid one
+# per request (right only for independent requests) and the fixed-sample one per request.
+METHODS = ("clustered", "always_valid", "fixed_sample")
+
+
+class _Arm:
+    """One simulated arm's running sums, per request and per bucket of units."""
+
+    def __init__(self, values: np.ndarray, buckets: np.ndarray) -> None:
+        self.sums, self.squares = np.cumsum(values), np.cumsum(values * values)
+        onehot = np.zeros((len(values), UNIT_BUCKETS))
+        onehot[np.arange(len(values)), buckets] = 1
+        self.bucket_counts = np.cumsum(onehot, axis=0)
+        self.bucket_sums = np.cumsum(onehot * values[:, None], axis=0)
+
+    def per_request(self, n: int) -> Moments:
+        return Moments(n, float(self.sums[n - 1]), float(self.squares[n - 1]))
+
+    def clustered(self, n: int) -> Clustered:
+        counts, sums = self.bucket_counts[n - 1], self.bucket_sums[n - 1]
+        return Clustered(
+            tuple((float(c), float(s)) for c, s in zip(counts, sums, strict=True) if c > 0)
+        )
 
 
 def first_detection(
-    a: np.ndarray, b: np.ndarray, look_every: int, alpha: float, tau: float, always_valid: bool
+    a: _Arm, b: _Arm, requests: int, look_every: int, alpha: float, tau: float, method: str
 ) -> int | None:
     """Requests per arm at the first look whose interval excludes 0, else None."""
     z = NormalDist().inv_cdf(1 - alpha / 2)
-    sums_a, sums_b = np.cumsum(a), np.cumsum(b)
-    squares_a, squares_b = np.cumsum(a * a), np.cumsum(b * b)
-    for n in range(look_every, len(a) + 1, look_every):
-        i = n - 1
-        arm_b = Moments(n, float(sums_b[i]), float(squares_b[i]))
-        arm_a = Moments(n, float(sums_a[i]), float(squares_a[i]))
-        if always_valid:
-            interval = difference(arm_b, arm_a, alpha=alpha, relative_tau=tau)
+    for n in range(look_every, requests + 1, look_every):
+        if method == "clustered":
+            interval = difference(b.clustered(n), a.clustered(n), alpha=alpha, relative_tau=tau)
+        elif method == "always_valid":
+            interval = difference(b.per_request(n), a.per_request(n), alpha=alpha, relative_tau=tau)
         else:
-            interval = fixed_sample_difference(arm_b, arm_a, z=z)
+            interval = fixed_sample_difference(b.per_request(n), a.per_request(n), z=z)
         if interval.excludes_zero:
             return n
     return None
+
+
+def draw_arm(
+    rng: np.random.Generator, requests: int, mean: float, sigma: float, users: int | None
+) -> _Arm:
+    """Per-request tokens/s: independent requests; or requests of `users` users, the k-th
+    busiest sending ~1/k of the traffic, each user at a speed of its own (log-normal, spread
+    `sigma` like the requests around it) and hashed to a bucket."""
+    noise = rng.lognormal(0, sigma, requests)
+    if users is None:
+        return _Arm(mean * noise, rng.integers(0, UNIT_BUCKETS, requests))
+    frequency = 1 / np.arange(1, users + 1)
+    user = rng.choice(users, size=requests, p=frequency / frequency.sum())
+    speed = rng.lognormal(0, sigma, users)
+    bucket = rng.integers(0, UNIT_BUCKETS, users)
+    return _Arm(mean * speed[user] * noise, bucket[user])
 
 
 def simulate(
@@ -52,19 +97,19 @@ def simulate(
     tau: float = 0.1,
     seed: int = 0,
     progress: bool = False,
+    users: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Share of experiments with a detection, and the median requests it took, for the
-    always-valid and the fixed-sample interval. Arm B's mean is (1 - effect) times A's."""
+    """Share of experiments with a detection, and the median requests it took, for each of
+    METHODS. Arm B's mean is (1 - effect) times A's; `users` per arm (None: every request
+    independent)."""
     rng = np.random.default_rng(seed)
     sigma = 0.5
-    found: dict[str, list[int | None]] = {"always_valid": [], "fixed_sample": []}
+    found: dict[str, list[int | None]] = {method: [] for method in METHODS}
     for _ in tqdm(range(experiments), disable=not progress, desc="experiments"):
-        a = 30 * rng.lognormal(0, sigma, requests)
-        b = 30 * (1 - effect) * rng.lognormal(0, sigma, requests)
+        a = draw_arm(rng, requests, 30, sigma, users)
+        b = draw_arm(rng, requests, 30 * (1 - effect), sigma, users)
         for method in found:
-            found[method].append(
-                first_detection(a, b, look_every, alpha, tau, method == "always_valid")
-            )
+            found[method].append(first_detection(a, b, requests, look_every, alpha, tau, method))
     out = {}
     for method, firsts in found.items():
         hits = [n for n in firsts if n is not None]
@@ -82,17 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--look-every", type=int, default=20)
     parser.add_argument("--alpha", type=float, default=0.05)
     parser.add_argument("--effect", type=float, default=0.1, help="slowdown of the worse arm")
+    parser.add_argument(
+        "--users",
+        type=int,
+        help="users per arm, each sending many requests (default: every request independent)",
+    )
     args = parser.parse_args(argv)
+    senders = f"{args.users} users per arm" if args.users else "independent requests"
     print(
-        f"{args.experiments} experiments, up to {args.requests} requests per arm, a look every "
-        f"{args.look_every}, alpha {args.alpha}"
+        f"{args.experiments} experiments, up to {args.requests} requests per arm from "
+        f"{senders}, a look every {args.look_every}, alpha {args.alpha}"
     )
     print("| arms | interval | experiments with a detection | median requests to it |")
     print("| --- | --- | --- | --- |")
     for effect, label in ((0.0, "identical (false positives)"), (args.effect, "")):
         label = label or f"B {args.effect:.0%} slower (power)"
         result = simulate(
-            args.experiments, args.requests, args.look_every, effect, args.alpha, progress=True
+            args.experiments,
+            args.requests,
+            args.look_every,
+            effect,
+            args.alpha,
+            progress=True,
+            users=args.users,
         )
         for method, figures in result.items():
             print(

@@ -89,6 +89,7 @@ from specserve.router.selection import (
     UnknownArmError,
     choose_arm,
     load_salt,
+    unit_bucket,
 )
 from specserve.watch import ConfigWatcher
 from specserve.wire.arm_calls import ArmCalls, ASGIApp, Receive, Scope, Send
@@ -719,7 +720,8 @@ class DispatchState:
             ) from None
         except ArmNotRunningError as exc:
             raise OpenAIError(503, str(exc), code="arm_not_running") from None
-        self.metrics.count_selection(*selection)
+        record.unit_bucket = unit_bucket(sticky_key, self.sticky_salt)
+        self.metrics.count_selection(*selection, unit_bucket=record.unit_bucket)
         if selection.selected_by == SELECTED_BY_OVERRIDE:
             # A forced request is not randomized: it neither feeds the guardrail nor the A/B
             # statistics, so no client can drain an arm or bias a verdict with it.

@@ -56,6 +56,7 @@ class RequestRecord:
     # Chosen by the weights or a sticky key (not forced): only these feed the A/B statistics.
     randomized: bool = True
     key: str = NO_KEY  # the sending key's name, the A/B statistics' segment
+    unit_bucket: str = "0"  # its randomisation unit's bucket (selection.unit_bucket)
     # Told the draft stats of each successful request (the acceptance guardrail).
     guard: AcceptanceGuard | None = None
     in_flight: InFlight | None = None
@@ -92,10 +93,15 @@ class RequestRecord:
             output_tokens=self.output_tokens,
             randomized=self.randomized,
             key=self.key,
+            unit_bucket=self.unit_bucket,
         )
         if self.spec_decode:
             metrics.observe_spec_decode(
-                self.arm, self.spec_decode, randomized=self.randomized, key=self.key
+                self.arm,
+                self.spec_decode,
+                randomized=self.randomized,
+                key=self.key,
+                unit_bucket=self.unit_bucket,
             )
             if self.guard is not None and self.guard.observe(
                 self.arm,

@@ -23,7 +23,12 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from specserve.metrics import SELECTED_BY_OVERRIDE, SELECTED_BY_STICKY, SELECTED_BY_WEIGHT
+from specserve.metrics import (
+    SELECTED_BY_OVERRIDE,
+    SELECTED_BY_STICKY,
+    SELECTED_BY_WEIGHT,
+    UNIT_BUCKETS,
+)
 
 _TWO_64 = float(2**64)
 logger = logging.getLogger(__name__)
@@ -78,6 +83,16 @@ def sticky_arm(key: str, weights: Mapping[str, float], salt: bytes = b"") -> str
     if not best:
         raise ValueError("no arm has weight > 0")
     return best
+
+
+def unit_bucket(sticky_key: str | None, salt: bytes = b"", rng: random.Random | None = None) -> str:
+    """The bucket (of metrics.UNIT_BUCKETS) of a request's randomisation unit: its sticky key's,
+    the same for every request of the key and independent of the key's arm (another hash input);
+    a random one for a request without a key (the request is its own unit)."""
+    if not sticky_key:
+        return str((rng or random).randrange(UNIT_BUCKETS))
+    digest = hashlib.blake2b(f"{sticky_key}\x01unit".encode(), digest_size=8, key=salt).digest()
+    return str(int.from_bytes(digest, "big") % UNIT_BUCKETS)
 
 
 def random_arm(weights: Mapping[str, float], rng: random.Random | None = None) -> str:

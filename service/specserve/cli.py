@@ -256,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="challenger's share of the incumbent's weight, taken from it (0.5: the same load)",
     )
+    loop_p.add_argument(
+        "--challenger-cpus",
+        metavar="CORES",
+        help="CPU cores for the challenger's engine (its VLLM_CPU_OMP_THREADS_BIND, e.g. 2-3); "
+        "default: the incumbent's",
+    )
     loop_p.add_argument("--poll-s", type=float, default=30.0)
     loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
     loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
@@ -500,6 +506,7 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         min_requests=args.min_requests,
         max_error_share=args.max_error_share,
         max_key_loss=args.max_key_loss,
+        challenger_cpus=args.challenger_cpus,
     )
     candidate = args.candidate
     if candidate is None:

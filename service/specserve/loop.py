@@ -53,6 +53,10 @@ PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABOR
 )
 
 
+# vLLM's CPU backend: the cores an engine's OpenMP threads are bound to.
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
 class LoopError(RuntimeError):
     pass
 
@@ -73,6 +77,8 @@ class LoopConfig:
     min_error_requests: int = 20
     # No promotion while one key's segment is slower than this share (ab/report.py).
     max_key_loss: float = 0.1
+    # The challenger's CPU cores (its VLLM_CPU_OMP_THREADS_BIND); None: the incumbent's.
+    challenger_cpus: str | None = None
 
 
 @dataclass
@@ -106,11 +112,12 @@ def _revision(document: dict[str, Any]) -> tuple[str, RouterConfig]:
 
 
 def with_challenger(
-    live: str, incumbent: str, candidate: Path, share: float
+    live: str, incumbent: str, candidate: Path, share: float, cpus: str | None = None
 ) -> tuple[str, RouterConfig, str]:
     """The live config plus a challenger arm: the incumbent's, with `candidate` as its drafter
     and `share` of the incumbent's weight, taken from the incumbent (the other arms keep
-    theirs; at 0.5 both engines carry the same load). -> text, config, arm name."""
+    theirs; at 0.5 both engines carry the same load), on the CPU cores `cpus` where given
+    (else the incumbent's). -> text, config, arm name."""
     document = yaml.safe_load(live)
     base = _arm(document, incumbent)
     if (base.get("speculative") or {}).get("method") != "eagle3":
@@ -128,9 +135,18 @@ def with_challenger(
     base["weight"] = round(weight - challenger["weight"], 6)
     challenger["speculative"]["model"] = str(candidate)
     challenger.pop("capture", None)  # the incumbent's capture keeps the traffic's sample
+    if cpus is not None:
+        challenger["env"] = {**(challenger.get("env") or {}), CPU_BIND_ENV: cpus}
     _arms(document).append(challenger)
     text, config = _revision(document)
     return text, config, name
+
+
+def shared_cores(config: RouterConfig, incumbent: str, challenger: str) -> str | None:
+    """The CPU binding two CPU arms share, if they do (GPU engines get devices of their own)."""
+    arms = [config.arm(name) for name in (incumbent, challenger)]
+    binds = [arm.env.get(CPU_BIND_ENV) if arm is not None else None for arm in arms]
+    return binds[0] if binds[0] is not None and binds[0] == binds[1] else None
 
 
 def promoted(live: str, incumbent: str, challenger: str) -> tuple[str, RouterConfig]:
@@ -212,8 +228,14 @@ class Loop:
         first, so nothing is left serving unwatched; then the error goes on."""
         c = self.config
         text, routed, challenger = with_challenger(
-            self.store.live_text(), c.incumbent, candidate, c.share
+            self.store.live_text(), c.incumbent, candidate, c.share, c.challenger_cpus
         )
+        shared = shared_cores(routed, c.incumbent, challenger)
+        if shared:
+            self.log(
+                f"the challenger computes on the incumbent's cores ({CPU_BIND_ENV}={shared}): "
+                "the two engines slow each other alike; --challenger-cpus gives it its own"
+            )
         try:
             self._step(f"challenger {challenger} added", text, routed)
             return self._experiment(challenger)

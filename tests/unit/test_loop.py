@@ -52,6 +52,12 @@ def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share_of_its_
     weights = {a.name: a.weight for a in small.arms}
     assert weights[name] == pytest.approx(0.1 * before["eagle3.1"])
     assert weights[name] + weights["eagle3.1"] == pytest.approx(before["eagle3.1"])
+    # Same cores as the incumbent unless told otherwise (separate ones for CPU engines).
+    assert loop.shared_cores(config, "eagle3.1", name) == incumbent["env"][loop.CPU_BIND_ENV]
+    _, apart, _ = loop.with_challenger(live, "eagle3.1", CANDIDATE, 0.5, cpus="2-3")
+    assert apart.arm(name).env[loop.CPU_BIND_ENV] == "2-3"
+    assert apart.arm("eagle3.1").env == config.arm("eagle3.1").env
+    assert loop.shared_cores(apart, "eagle3.1", name) is None
     with pytest.raises(loop.LoopError, match="does not run an EAGLE drafter"):
         loop.with_challenger(live, "ngram", CANDIDATE, 0.1)
     with pytest.raises(loop.LoopError, match="already runs"):

@@ -508,7 +508,7 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         max_key_loss=args.max_key_loss,
         challenger_cpus=args.challenger_cpus,
     )
-    candidate = args.candidate
+    candidate, adapting, adapted = args.candidate, None, None
     if candidate is None:
         from specserve.drafter.adapt import adapt
         from specserve.models import prepare_model
@@ -553,9 +553,12 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
     except Exception as exc:
         print(f"error: the loop stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2, loop.ABORTED
+    if report["steps"]:
+        report["seen_in_training"] = traffic_seen(args, adapting if adapted else None, report)
     if args.json:
         loop.write_report(report, args.json)
-    print(yaml.safe_dump({k: report[k] for k in ("outcome", "reason", "steps")}, sort_keys=False))
+    shown = ("outcome", "reason", "steps", "seen_in_training")
+    print(yaml.safe_dump({k: report[k] for k in shown if k in report}, sort_keys=False))
     before = record.read() or {}
     if report["outcome"] == loop.PROMOTED:
         print(
@@ -563,6 +566,23 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
             f"{before.get('revision_before')}, from before the loop"
         )
     return (0 if report["outcome"] == loop.PROMOTED else 3), report["outcome"]
+
+
+def traffic_seen(args, adapting, report: dict) -> dict:  # noqa: ANN001
+    """How much of the A/B's traffic the candidate was trained on (drafter/seen.py); unknown
+    for a `--candidate` this loop did not adapt."""
+    if adapting is None:
+        return {"unknown": "the candidate was not adapted by this loop: its training is not known"}
+    from specserve.drafter.seen import ab_traffic_seen
+
+    return ab_traffic_seen(
+        adapting.captured,
+        adapting.arm,
+        args.incumbent,
+        since=report["steps"][0]["at"],
+        held_out_share=adapting.held_out_share,
+        validation_share=adapting.validation_share,
+    )
 
 
 def adapt_failure(exc: BaseException) -> str:

@@ -409,6 +409,9 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
         found = json.loads(report.read_text())
         # 0 for a promotion, 3 for any other outcome the loop reached (cli.py).
         assert run.returncode == (0 if found["outcome"] == loop.PROMOTED else 3), run.stderr[-2000:]
+        # How much of the A/B's traffic was trained on is read from the incumbent's capture
+        # during it: off here, so not known, and said so (measured: tests/unit/test_seen.py).
+        assert "captured no request" in found["seen_in_training"]["unknown"]
         adapted = json.loads((work / "adapt.json").read_text())
         after = load_config(live.config_path).config
         history = LocalStore(live.config_path).records()

@@ -48,28 +48,49 @@ def jaccard(a: frozenset[int], b: frozenset[int]) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
+class NearDuplicates:
+    """Token sequences kept so far, found again by near-duplicates: MinHash signatures banded
+    into buckets (candidates share a band), confirmed on the exact shingle sets."""
+
+    def __init__(self, threshold: float = NEAR_DUPLICATE_JACCARD) -> None:
+        self.threshold = threshold
+        self._buckets: dict[tuple[int, bytes], list[int]] = defaultdict(list)
+        self._shingles: list[frozenset[int]] = []
+
+    @staticmethod
+    def _bands(found: frozenset[int]) -> list[tuple[int, bytes]]:
+        signature = _signature(found)
+        return [
+            (band, signature[band * ROWS_PER_BAND : (band + 1) * ROWS_PER_BAND].tobytes())
+            for band in range(BANDS)
+        ]
+
+    def matches(self, tokens: Sequence[int]) -> bool:
+        """Whether a kept sequence's shingles overlap `tokens`' by the threshold or more."""
+        found = shingles(tokens)
+        candidates = {i for band in self._bands(found) for i in self._buckets.get(band, ())}
+        return any(jaccard(found, self._shingles[i]) >= self.threshold for i in candidates)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        found = shingles(tokens)
+        for band in self._bands(found):
+            self._buckets[band].append(len(self._shingles))
+        self._shingles.append(found)
+
+
 def drop_near_duplicates(
     rows: list[dict], threshold: float = NEAR_DUPLICATE_JACCARD
 ) -> tuple[list[dict], int]:
     """`rows` (oldest first) without any whose sequence is a near-duplicate of an earlier kept
     one; -> (kept, how many dropped)."""
-    buckets: dict[tuple[int, bytes], list[int]] = defaultdict(list)  # band -> kept rows
+    index = NearDuplicates(threshold)
     kept: list[dict] = []
-    kept_shingles: list[frozenset[int]] = []
     for row in rows:
-        found = shingles([*row["prompt_token_ids"], *row["output_token_ids"]])
-        signature = _signature(found)
-        bands = [
-            (band, signature[band * ROWS_PER_BAND : (band + 1) * ROWS_PER_BAND].tobytes())
-            for band in range(BANDS)
-        ]
-        candidates = {i for band in bands for i in buckets.get(band, ())}
-        if any(jaccard(found, kept_shingles[i]) >= threshold for i in candidates):
+        tokens = [*row["prompt_token_ids"], *row["output_token_ids"]]
+        if index.matches(tokens):
             continue
-        for band in bands:
-            buckets[band].append(len(kept))
+        index.add(tokens)
         kept.append(row)
-        kept_shingles.append(found)
     return kept, len(rows) - len(kept)
 
 

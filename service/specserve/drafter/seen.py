@@ -1,0 +1,73 @@
+"""How much of the traffic a loop's A/B judged its candidate on was in the candidate's training
+data.
+
+A candidate adapted on captured traffic is then compared on live traffic, which may repeat what
+it learned (a client cycling through the same prompts, or a template with one slot changed): a
+faster challenger on such traffic has memorised as much as it has adapted. The incumbent keeps its
+capture sample during the A/B, and the router randomises requests between the two arms, so the
+share of that sample whose prompt was trained on estimates the share of the challenger's traffic
+too. Exact repeats are prompts with the same token ids; near ones overlap a training prompt's
+token 4-grams by curation.NEAR_DUPLICATE_JACCARD or more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from specserve.drafter.curation import NearDuplicates
+
+
+def seen_in_training(
+    training: Iterable[list[int]], served: Iterable[list[int]]
+) -> dict[str, float | int]:
+    """-> {sampled, exact, near}: the served prompts, and the shares of them that repeat a
+    training prompt exactly, and exactly or nearly (near includes exact)."""
+    exact: set[tuple[int, ...]] = set()
+    index = NearDuplicates()
+    for prompt in training:
+        if tuple(prompt) not in exact:
+            exact.add(tuple(prompt))
+            index.add(prompt)
+    sampled = same = near = 0
+    for prompt in served:
+        sampled += 1
+        if tuple(prompt) in exact:
+            same += 1
+            near += 1
+        elif index.matches(prompt):
+            near += 1
+    return {
+        "sampled": sampled,
+        "exact": same / sampled if sampled else float("nan"),
+        "near": near / sampled if sampled else float("nan"),
+    }
+
+
+def ab_traffic_seen(
+    captured: Path,
+    trained_arm: str | None,
+    served_arm: str,
+    since: float,
+    held_out_share: float,
+    validation_share: float,
+) -> dict:
+    """The loop's figure, from the capture store adapt read: the training prompts are those
+    `trained_arm` (every arm for None) captured before `since` (the A/B's start) that adapt's
+    split puts in training (a superset of what it trained on: curation only drops
+    near-duplicates and rows over a key's share); the served prompts are the ones `served_arm`
+    (the incumbent, which keeps its capture) captured from `since` on."""
+    from specserve.capture import store
+    from specserve.drafter.adapt import split_by_prompt
+
+    before, during = [], []
+    for record in store.read(captured):
+        if record.at < since and trained_arm in (None, record.arm):
+            before.append({"prompt_token_ids": record.prompt_token_ids})
+        elif record.at >= since and record.arm == served_arm:
+            during.append(record.prompt_token_ids)
+    if not during:
+        return {"unknown": f"{served_arm} captured no request during the A/B"}
+    training, _, _ = split_by_prompt(before, held_out_share, validation_share)
+    found = seen_in_training((row["prompt_token_ids"] for row in training), during)
+    return found | {"estimated_from": f"{served_arm}'s capture sample during the A/B"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from specserve.config.changes import diff_configs
 from specserve.config.checks import check_engine_settings
 from specserve.config.schema import (
+    MAX_LEFT_OUT_PROMPTS,
     ArmConfig,
     ConfigError,
     NoSpeculation,
@@ -532,6 +534,23 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
             print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
             return 3, loop.NO_CANDIDATE
         candidate = Path(adapted["accepted"])
+        from specserve.drafter.seen import training_digests
+
+        left_out = training_digests(
+            adapting.captured,
+            adapting.arm,
+            time.time(),
+            adapting.held_out_share,
+            adapting.validation_share,
+        )
+        if len(left_out) > MAX_LEFT_OUT_PROMPTS:
+            print(
+                f"{len(left_out)} prompts trained on, more than a config holds: the A/B leaves "
+                f"out {MAX_LEFT_OUT_PROMPTS} of them"
+            )
+            left_out = frozenset(sorted(left_out)[:MAX_LEFT_OUT_PROMPTS])
+        print(f"{len(left_out)} prompts trained on: their requests are left out of the A/B")
+        config = dataclasses.replace(config, left_out_prompts=left_out)
     experiment = loop.Experiment(Prometheus(args.prometheus), config)
     record.name_challenger(candidate.resolve().name)  # the arm's name (loop.with_challenger)
 

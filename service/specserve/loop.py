@@ -55,6 +55,8 @@ PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABOR
 
 # vLLM's CPU backend: the cores an engine's OpenMP threads are bound to.
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# The routing key the loop sets while its challenger serves.
+LEFT_OUT_KEY = "ab_left_out_prompts"
 
 
 class LoopError(RuntimeError):
@@ -79,6 +81,9 @@ class LoopConfig:
     max_key_loss: float = 0.1
     # The challenger's CPU cores (its VLLM_CPU_OMP_THREADS_BIND); None: the incumbent's.
     challenger_cpus: str | None = None
+    # Digests of the prompts the candidate was trained on: their requests are left out of the
+    # A/B while the challenger serves (routing.ab_left_out_prompts; drafter/seen.py).
+    left_out_prompts: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -112,12 +117,18 @@ def _revision(document: dict[str, Any]) -> tuple[str, RouterConfig]:
 
 
 def with_challenger(
-    live: str, incumbent: str, candidate: Path, share: float, cpus: str | None = None
+    live: str,
+    incumbent: str,
+    candidate: Path,
+    share: float,
+    cpus: str | None = None,
+    left_out: frozenset[str] = frozenset(),
 ) -> tuple[str, RouterConfig, str]:
     """The live config plus a challenger arm: the incumbent's, with `candidate` as its drafter
     and `share` of the incumbent's weight, taken from the incumbent (the other arms keep
     theirs; at 0.5 both engines carry the same load), on the CPU cores `cpus` where given
-    (else the incumbent's). -> text, config, arm name."""
+    (else the incumbent's); the requests of the `left_out` prompts out of the A/B's
+    statistics. -> text, config, arm name."""
     document = yaml.safe_load(live)
     base = _arm(document, incumbent)
     if (base.get("speculative") or {}).get("method") != "eagle3":
@@ -138,6 +149,9 @@ def with_challenger(
     if cpus is not None:
         challenger["env"] = {**(challenger.get("env") or {}), CPU_BIND_ENV: cpus}
     _arms(document).append(challenger)
+    if left_out:
+        routing = document.setdefault("routing", {}) or {}
+        document["routing"] = routing | {LEFT_OUT_KEY: sorted(left_out)}
     text, config = _revision(document)
     return text, config, name
 
@@ -163,7 +177,11 @@ def without(live: str, challenger: str, incumbent: str) -> tuple[str, RouterConf
 
 
 def _removed(document: dict[str, Any], challenger: str, incumbent: str) -> dict[str, Any]:
+    """Without the challenger, its weight back with the incumbent, and every request counted
+    in the A/B statistics again."""
     weight = float(_arm(document, challenger).get("weight", 0))
+    if isinstance(document.get("routing"), dict):
+        document["routing"].pop(LEFT_OUT_KEY, None)
     document["arms"] = [a for a in _arms(document) if a.get("name") != challenger]
     if any(a.get("name") == incumbent for a in _arms(document)):
         base = _arm(document, incumbent)
@@ -228,7 +246,12 @@ class Loop:
         first, so nothing is left serving unwatched; then the error goes on."""
         c = self.config
         text, routed, challenger = with_challenger(
-            self.store.live_text(), c.incumbent, candidate, c.share, c.challenger_cpus
+            self.store.live_text(),
+            c.incumbent,
+            candidate,
+            c.share,
+            c.challenger_cpus,
+            c.left_out_prompts,
         )
         shared = shared_cores(routed, c.incumbent, challenger)
         if shared:

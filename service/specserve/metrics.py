@@ -119,6 +119,9 @@ AB_STATS = (TIME_PER_OUTPUT_TOKEN, REQUEST_OUTPUT_SPEED, REQUEST_ACCEPTANCE_LENG
 UNIT_STAT_COUNT = f"{PREFIX}_unit_stat_count"
 UNIT_STAT_SUM = f"{PREFIX}_unit_stat_sum"
 UNIT_SELECTIONS = f"{PREFIX}_unit_selections"
+# Weighted and sticky requests left out of the A/B statistics: their prompt is one the config
+# names (routing.ab_left_out_prompts, what a challenger was trained on).
+AB_LEFT_OUT = f"{PREFIX}_ab_left_out_requests"
 OUTPUT_TOKENS = f"{PREFIX}_output_tokens"
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
@@ -164,6 +167,7 @@ COUNTERS = (
     UNIT_STAT_COUNT,
     UNIT_STAT_SUM,
     UNIT_SELECTIONS,
+    AB_LEFT_OUT,
     API_KEY_REQUESTS,
     API_KEY_OUTPUT_TOKENS,
     CAPTURED_RECORDS,
@@ -305,6 +309,12 @@ class RouterMetrics:
             "Requests the weights or a sticky key sent to each arm, by the bucket of their "
             "randomisation unit.",
             (*arm, UNIT_BUCKET),
+        )
+        self.ab_left_out = Counter(
+            AB_LEFT_OUT,
+            "Successful weighted and sticky requests left out of the A/B statistics: their "
+            "prompt is one the config names (a challenger's training prompts).",
+            arm,
         )
         self.output_tokens = Counter(OUTPUT_TOKENS, "Generated tokens.", arm)
         self.drafts = Counter(SPEC_DRAFTS, "Speculative verify steps (drafts proposed).", arm)
@@ -499,6 +509,9 @@ class RouterMetrics:
     def count_key_tokens(self, key: str, tokens: int) -> None:
         if tokens > 0:  # Ray's counters refuse increments of 0
             self.api_key_output_tokens.inc(tokens, {MODEL: self.model, KEY: key})
+
+    def count_left_out(self, arm: str) -> None:
+        self.ab_left_out.inc(1, self._tags(arm))
 
     def count_request(self, arm: str, endpoint: str, outcome: str) -> None:
         self.requests.inc(1, self._tags(arm, **{ENDPOINT: endpoint, OUTCOME: outcome}))

@@ -471,6 +471,11 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     # loop: the accepted candidate was the challenger; the A/B was read while it served, and the
     # second revision is the outcome's.
     accepted = Path(adapted["accepted"])
+    # The prompts adapt trained on (their digests, kept by capture) were left out of the A/B
+    # while the challenger served; the A/B's own prompt was never captured: none left out.
+    left_out = re.search(r"(\d+) prompts trained on: their requests are left out", run.stdout)
+    assert left_out and 0 < int(left_out[1]) <= CAPTURED, run.stdout[-3000:]
+    assert found["rows"][-1]["left_out"] == 0
     assert found["challenger"] == candidate.name
     assert found["outcome"] in {loop.PROMOTED, loop.ROLLED_BACK, loop.TIMED_OUT}, found["reason"]
     assert found["rows"], "the experiment was never read"

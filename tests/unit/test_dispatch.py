@@ -21,6 +21,7 @@ from specserve.router import dispatch as dispatch_module
 from specserve.router.arm_states import ServeState
 from specserve.router.dispatch import Dispatch
 from specserve.router.selection import load_salt, sticky_arm
+from specserve.wire.requests import prompt_digest
 
 MODEL = "m"
 PUBLIC_KEY = "public-key-0123456789abcdef"
@@ -407,7 +408,10 @@ def test_a_sampled_request_reaches_its_arm_with_the_capture_bounds_unless_opted_
     async def main():
         assert (await client.request(extra={headers.CAPTURE: "forged"}))[0] == 200
         # The bounds, and the name of the key that sent it (team-a: PUBLIC_KEY's).
-        assert Sampled.from_header(sent()[capture].decode()) == Sampled(Bounds(50, 60.0), "team-a")
+        # The bounds, the key's name and the prompt's digest (what the loop leaves out by).
+        asked = prompt_digest({"model": MODEL, "prompt": "hi"}, "completions")
+        expected = Sampled(Bounds(50, 60.0), "team-a", asked)
+        assert Sampled.from_header(sent()[capture].decode()) == expected
         await client.request(extra={headers.NO_CAPTURE: "1"})  # the client opts out
         assert capture not in sent() and no_capture not in sent()
         await client.request(key=ADMIN_KEY)  # its key opted out
@@ -416,6 +420,36 @@ def test_a_sampled_request_reaches_its_arm_with_the_capture_bounds_unless_opted_
         assert capture not in sent()
 
     run(main())
+
+
+def test_a_prompt_the_config_leaves_out_is_served_but_kept_out_of_the_ab_statistics(
+    tmp_path, monkeypatch
+):
+    """routing.ab_left_out_prompts (what a challenger was trained on): such a request is
+    answered, counted apart and not in the A/B figures; its repeats with other numbers, case or
+    spacing too; any other prompt is in them."""
+    listed = prompt_digest({"messages": [{"role": "user", "content": "Order 12, Bob"}]}, "chat")
+    client = Client(tmp_path, monkeypatch, routing=f", ab_left_out_prompts: ['{listed}']")
+    in_ab: list[bool] = []
+    left_out: list[str] = []
+    monkeypatch.setattr(
+        dispatch_module.RouterMetrics,
+        "observe_request",
+        lambda self, arm, **figures: in_ab.append(figures["randomized"]),
+    )
+    monkeypatch.setattr(
+        dispatch_module.RouterMetrics, "count_left_out", lambda self, arm: left_out.append(arm)
+    )
+
+    def chat(text: str) -> dict:
+        return {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+
+    async def main():
+        for text in ("order  97,  BOB", "Order 12, Alice"):
+            assert (await client.request("/v1/chat/completions", chat(text)))[0] == 200
+
+    run(main())
+    assert in_ab == [False, True] and left_out == ["a"]
 
 
 def test_capture_samples_requests_at_the_configured_rate(tmp_path, monkeypatch):

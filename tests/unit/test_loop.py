@@ -58,6 +58,18 @@ def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share_of_its_
     assert apart.arm(name).env[loop.CPU_BIND_ENV] == "2-3"
     assert apart.arm("eagle3.1").env == config.arm("eagle3.1").env
     assert loop.shared_cores(apart, "eagle3.1", name) is None
+    # The prompts the candidate was trained on are left out of the A/B while it serves, and
+    # counted in again once the challenger goes, promoted or not.
+    trained = frozenset({"0123456789abcdef", "00000000000000ff"})
+    text_out, left, _ = loop.with_challenger(live, "eagle3.1", CANDIDATE, 0.5, left_out=trained)
+    assert loop.LEFT_OUT_KEY in type(left.routing).model_fields
+    assert left.routing.ab_left_out_prompts == trained
+    assert config.routing.ab_left_out_prompts == frozenset()
+    for _, after in (
+        loop.without(text_out, name, "eagle3.1"),
+        loop.promoted(text_out, "eagle3.1", name),
+    ):
+        assert after.routing.ab_left_out_prompts == frozenset()
     with pytest.raises(loop.LoopError, match="does not run an EAGLE drafter"):
         loop.with_challenger(live, "ngram", CANDIDATE, 0.1)
     with pytest.raises(loop.LoopError, match="already runs"):

@@ -65,6 +65,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
     }
     metrics.observe_spec_decode("a", stats, unit_bucket="5")
     metrics.count_drain("a")
+    metrics.count_left_out("a")
     metrics.count_retry("a")
     metrics.count_resume("a")
     metrics.count_resume("a")
@@ -145,6 +146,7 @@ def test_router_metrics_as_ray_exports_them(exporter):
             pytest.approx(total)
         )
     assert value(m.UNIT_SELECTIONS + "_total", arm="a", unit_bucket="5") == 1
+    assert value(m.AB_LEFT_OUT + "_total", arm="a") == 1
     assert sample(m.UNIT_SELECTIONS + "_total", arm="a", unit_bucket="6") not in got
     # Only the active revision and the configured arms remain.
     assert value(m.CONFIG_INFO, revision="rev2") == 1

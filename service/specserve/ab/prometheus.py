@@ -13,6 +13,7 @@ import httpx
 
 from specserve.ab.sequential import Clustered, Moments
 from specserve.metrics import (
+    AB_LEFT_OUT,
     AB_STATS,
     ARM,
     ARM_DRAINED,
@@ -85,6 +86,8 @@ class ArmTotals:
     clustered: dict[str, Clustered] = field(default_factory=dict)
     # Randomized selections per group of units (the sample-ratio check's).
     selections_by_bucket: dict[str, float] = field(default_factory=dict)
+    # Randomized requests left out of the statistics: their prompt was trained on.
+    left_out: float = 0.0
     # The primary figure (per-user tokens/s) per sending key's name: each key's segment.
     by_key: dict[str, Moments] = field(default_factory=dict)
     drafts: float = 0.0
@@ -196,6 +199,9 @@ class Prometheus:
                 arms[arm].clustered[stat] = Clustered(tuple(groups))
         for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, f"{ARM},{KEY}").items():
             arms[arm].by_key[key] = found
+        left_out = _name(AB_LEFT_OUT) + f"_total{{{selector}}}"
+        for (arm,), value in self.counts(left_out, (ARM,), since, now).items():
+            arms[arm].left_out = value
         for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
             arms[labels[ARM]].drafts = value
         for metric, attribute in (

@@ -15,6 +15,9 @@ requests all in one), and no verdict is given while an arm's requests come from 
 `min_unit_groups` groups (a few heavy users are not a sample). Where those series are missing
 (data from routers before them) the unit is the request, and the report says so.
 
+Requests whose prompt the config names (routing.ab_left_out_prompts: what a challenger was
+trained on) are served but left out of every figure, and counted apart.
+
 Per key too: where two API keys or more sent `min_requests` to both the arm and the baseline,
 each key's segment gets its own per-user tokens/s difference, and a promotion is held back
 (keep testing) while a segment's estimate is below -`max_key_loss`: one tenant made slower by
@@ -114,6 +117,7 @@ def compare(
     shown = {n: a for n, a in arms.items() if a.weight > 0 or _n(a) > 0 or n == options.baseline}
     for name, arm in sorted(shown.items(), key=lambda kv: kv[0] != options.baseline):
         row: dict[str, Any] = {"arm": name, "weight": arm.weight, "requests": _n(arm)}
+        row["left_out"] = arm.left_out
         row["unit_groups"] = _unit_groups(arm)
         if by_bucket:
             row["traffic"] = clustered_traffic_share(arm, total_weight, by_bucket, options)
@@ -397,6 +401,12 @@ def render(report: dict[str, Any]) -> str:
     for row in report["arms"]:
         if "reason" in row:
             lines.append(f"{row['arm']}: {row['verdict']}: {row['reason']}")
+    left_out = [r for r in report["arms"] if r.get("left_out")]
+    if left_out:
+        counts = ", ".join(f"{r['arm']} {r['left_out']:.0f}" for r in left_out)
+        lines.append(
+            f"left out, their prompt trained on (routing.ab_left_out_prompts): {counts} requests"
+        )
     schedules = [r for r in report["arms"] if r.get("suggested_schedule")]
     if schedules:
         lines += ["", "k by load (from the round costs and the live acceptance per position):"]

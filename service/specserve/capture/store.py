@@ -58,6 +58,9 @@ class Record:
     # The name of the API key that sent the request (wire/auth.py); None without keys, and in
     # records captured before it was kept. Adapt bounds each key's share of what it learns.
     key: str | None = None
+    # The request's prompt digest (wire/requests.py `prompt_digest`); None in records captured
+    # before it was kept. The loop leaves the A/B's repeats of training prompts out by it.
+    prompt_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,10 @@ class Sampled:
 
     bounds: Bounds
     key: str | None = None
+    prompt_digest: str | None = None
 
     def header(self) -> str:
-        return json.dumps({**asdict(self.bounds), "key": self.key})
+        return json.dumps({**asdict(self.bounds), "key": self.key, "prompt": self.prompt_digest})
 
     @classmethod
     def from_header(cls, value: str) -> Sampled:
@@ -93,6 +97,7 @@ class Sampled:
                 int(found.get("max_bytes", DEFAULT_MAX_BYTES)),
             )
             key = found.get("key")
+            prompt = found.get("prompt")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not capture bounds: {value[:100]!r}") from exc
         if (
@@ -103,7 +108,9 @@ class Sampled:
             raise ValueError(f"capture bounds out of range: {value[:100]!r}")
         if key is not None and not isinstance(key, str):
             raise ValueError(f"capture key not a name: {value[:100]!r}")
-        return cls(bounds, key)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"capture prompt digest not a string: {value[:100]!r}")
+        return cls(bounds, key, prompt)
 
 
 def shard_name(replica_id: str) -> str:

@@ -44,9 +44,10 @@ class Tap:
         stream: bool,
         sampling: dict[str, float] | None = None,
         key: str | None = None,
+        prompt_digest: str | None = None,
     ) -> None:
         self.arm, self.endpoint, self.client_asked = arm, endpoint, client_asked
-        self.sampling, self.key = sampling, key
+        self.sampling, self.key, self.prompt_digest = sampling, key, prompt_digest
         # vLLM's stream chunks name the id fields (null) even when no ids were asked for; a
         # whole answer is sent without null fields.
         self._blank = _set_null if stream else _remove
@@ -96,6 +97,7 @@ class Tap:
                     finish_reason=self._finish[index],
                     sampling=self.sampling,
                     key=self.key,
+                    prompt_digest=self.prompt_digest,
                 )
             )
         return found

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -472,6 +473,12 @@ class ArmConfig(ArmEngineConfig):
         return {DEPLOYMENT_OPTIONS[key]: value for key, value in found.items()}
 
 
+# A request's prompt digest (wire/requests.py): 16 hex digits.
+PromptDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+# ~23 bytes a digest in the config's YAML, ~460 KB: a revision stays within a 1 MiB ConfigMap.
+MAX_LEFT_OUT_PROMPTS = 20_000
+
+
 class RoutingConfig(_Strict):
     session_header: str = Field(
         "x-session-id",
@@ -511,6 +518,14 @@ class RoutingConfig(_Strict):
         ge=10,
         le=1_000_000,
         description="Counted requests per arm over which `max_key_share` is held.",
+    )
+    ab_left_out_prompts: frozenset[PromptDigest] = Field(
+        frozenset(),
+        max_length=MAX_LEFT_OUT_PROMPTS,
+        description="Digests of prompts (wire/requests.py `prompt_digest`: the same for repeats "
+        "that differ in case, spacing or numbers) whose requests are served but left out of "
+        "the A/B statistics on every arm, and counted apart: what a challenger was trained on. "
+        "`specserve loop` sets it with its challenger and removes it after.",
     )
 
     def names_arm_to(self, admin: bool) -> bool:

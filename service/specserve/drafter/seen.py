@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from specserve.capture.store import Record
 from specserve.drafter.curation import NearDuplicates
 
 
@@ -44,6 +45,36 @@ def seen_in_training(
     }
 
 
+def _trained_on(
+    captured: Path, trained_arm: str | None, since: float, held_out: float, validation: float
+) -> list[Record]:
+    """The records captured before `since` (by `trained_arm`; every arm for None) whose prompt
+    adapt's split puts in training: a superset of what it trained on (curation only drops
+    near-duplicates and rows over a key's share)."""
+    from specserve.capture import store
+    from specserve.drafter.adapt import split_by_prompt
+
+    rows = [
+        {"prompt_token_ids": record.prompt_token_ids, "record": record}
+        for record in store.read(captured)
+        if record.at < since and trained_arm in (None, record.arm)
+    ]
+    training, _, _ = split_by_prompt(rows, held_out, validation)
+    return [row["record"] for row in training]
+
+
+def training_digests(
+    captured: Path, trained_arm: str | None, since: float, held_out: float, validation: float
+) -> frozenset[str]:
+    """The prompt digests (wire/requests.py) of what adapt trained on, for the router to leave
+    their requests out of the A/B; records captured before digests were kept have none."""
+    return frozenset(
+        record.prompt_digest
+        for record in _trained_on(captured, trained_arm, since, held_out, validation)
+        if record.prompt_digest is not None
+    )
+
+
 def ab_traffic_seen(
     captured: Path,
     trained_arm: str | None,
@@ -52,22 +83,16 @@ def ab_traffic_seen(
     held_out_share: float,
     validation_share: float,
 ) -> dict:
-    """The loop's figure, from the capture store adapt read: the training prompts are those
-    `trained_arm` (every arm for None) captured before `since` (the A/B's start) that adapt's
-    split puts in training (a superset of what it trained on: curation only drops
-    near-duplicates and rows over a key's share); the served prompts are the ones `served_arm`
-    (the incumbent, which keeps its capture) captured from `since` on."""
+    """The loop's figure, from the capture store adapt read: the prompts trained on (captured
+    before `since`, the A/B's start) against those `served_arm` (the incumbent, which keeps its
+    capture) captured from `since` on."""
     from specserve.capture import store
-    from specserve.drafter.adapt import split_by_prompt
 
-    before, during = [], []
-    for record in store.read(captured):
-        if record.at < since and trained_arm in (None, record.arm):
-            before.append({"prompt_token_ids": record.prompt_token_ids})
-        elif record.at >= since and record.arm == served_arm:
-            during.append(record.prompt_token_ids)
+    during = [
+        record.prompt_token_ids for record in store.read(captured, served_arm) if record.at >= since
+    ]
     if not during:
         return {"unknown": f"{served_arm} captured no request during the A/B"}
-    training, _, _ = split_by_prompt(before, held_out_share, validation_share)
-    found = seen_in_training((row["prompt_token_ids"] for row in training), during)
+    training = _trained_on(captured, trained_arm, since, held_out_share, validation_share)
+    found = seen_in_training((record.prompt_token_ids for record in training), during)
     return found | {"estimated_from": f"{served_arm}'s capture sample during the A/B"}

@@ -131,6 +131,7 @@ class ArmServer(LLMServer):
                 stream=bool(getattr(body, "stream", False)),
                 sampling=sampling_of(body),
                 key=sampled.key,
+                prompt_digest=sampled.prompt_digest,
             ),
         )
 

@@ -106,6 +106,7 @@ from specserve.wire.requests import (
     body_too_slow,
     check_limits,
     parse_body,
+    prompt_digest,
     salt_for_key,
     wants_usage,
 )
@@ -447,6 +448,9 @@ class DispatchState:
                     data = parse_body(raw)
                 record.arm = self._pick_arm(request_headers, data, loaded, record)
                 self._count_share(record, identity, config)
+                left_out = config.routing.ab_left_out_prompts
+                if left_out and record.randomized:
+                    record.left_out = prompt_digest(data, endpoint) in left_out
                 # The arm is named to admin keys only (routing.arm_header): a client told its
                 # arm could try sticky keys until it had the one it wants.
                 show_arm = config.routing.names_arm_to(identity is None or identity.admin)
@@ -478,7 +482,7 @@ class DispatchState:
             # Counted in the same step of the event loop as `_check_room`; until the request ends.
             self.at_arm[record.arm] += 1
             timeout_s = config.limits.request_timeout_s
-            capture = _capture(config, record.arm, request_headers, identity)
+            capture = _capture(config, record.arm, request_headers, identity, data, endpoint)
             await self._at_arm(
                 exchange,
                 self.arms,
@@ -575,7 +579,14 @@ class DispatchState:
             # The request again, where it is captured at all; a stream's rest is not.
             capture=None
             if point
-            else _capture(config, record.arm, sent.request_headers, sent.identity),
+            else _capture(
+                config,
+                record.arm,
+                sent.request_headers,
+                sent.identity,
+                sent.data,
+                record.endpoint,
+            ),
         )
 
         async def run() -> None:
@@ -787,10 +798,16 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def _capture(
-    config: RouterConfig, arm: str, request_headers: dict[str, str], identity: Identity | None
+    config: RouterConfig,
+    arm: str,
+    request_headers: dict[str, str],
+    identity: Identity | None,
+    data: dict[str, Any],
+    endpoint: str,
 ) -> Sampled | None:
     """What the arm is told of this request if it is in its arm's capture sample (drawn at the
-    arm's rate, unless the client or its key opted out): the store's bounds and the key's name."""
+    arm's rate, unless the client or its key opted out): the store's bounds, the key's name and
+    the prompt's digest."""
     settings = (found := config.arm(arm)) and found.capture
     if not settings or request_headers.get(headers.NO_CAPTURE, "").strip() == "1":
         return None
@@ -801,7 +818,8 @@ def _capture(
     if random.random() >= settings.sample:
         return None
     bounds = Bounds(settings.max_records, settings.max_age_s, settings.max_bytes)
-    return Sampled(bounds, identity.name if identity is not None else None)
+    key = identity.name if identity is not None else None
+    return Sampled(bounds, key, prompt_digest(data, endpoint))
 
 
 def _arm_scope(

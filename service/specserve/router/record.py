@@ -57,6 +57,9 @@ class RequestRecord:
     randomized: bool = True
     key: str = NO_KEY  # the sending key's name, the A/B statistics' segment
     unit_bucket: str = "0"  # its randomisation unit's bucket (selection.unit_bucket)
+    # Its prompt is one the config leaves out of the A/B (routing.ab_left_out_prompts): served,
+    # guarded, but not in the A/B statistics.
+    left_out: bool = False
     # Told the draft stats of each successful request (the acceptance guardrail).
     guard: AcceptanceGuard | None = None
     in_flight: InFlight | None = None
@@ -85,13 +88,16 @@ class RequestRecord:
             ttft_s = self.first_token_at - self.started
             if self.output_tokens > 1:
                 tpot_s = (now - self.first_token_at) / (self.output_tokens - 1)
+        in_ab = self.randomized and not self.left_out
+        if self.left_out:
+            metrics.count_left_out(self.arm)
         metrics.observe_request(
             self.arm,
             e2e_s=now - self.started,
             ttft_s=ttft_s,
             tpot_s=tpot_s,
             output_tokens=self.output_tokens,
-            randomized=self.randomized,
+            randomized=in_ab,
             key=self.key,
             unit_bucket=self.unit_bucket,
         )
@@ -99,7 +105,7 @@ class RequestRecord:
             metrics.observe_spec_decode(
                 self.arm,
                 self.spec_decode,
-                randomized=self.randomized,
+                randomized=in_ab,
                 key=self.key,
                 unit_bucket=self.unit_bucket,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,46 @@ def prompt_count(data: dict[str, Any], endpoint: str) -> int:
     elif embeds is not None:
         count += 1
     return max(1, count)
+
+
+_SPACES = re.compile(r"\s+")
+_NUMBERS = re.compile(r"\d+")
+
+
+def prompt_digest(data: dict[str, Any], endpoint: str) -> str:
+    """16 hex digits of what a request asks: a chat's roles and message texts, a completion's
+    prompt. Case, runs of spaces and the values of numbers do not count (a template with a
+    number changed is the same prompt): the router and the capture store name prompts by it, so
+    the loop can leave the A/B's repeats of training prompts out (routing.ab_left_out_prompts)."""
+    if endpoint == CHAT:
+        messages = data.get("messages")
+        asked: Any = [
+            [m.get("role"), _text(m.get("content"))]
+            for m in (messages if isinstance(messages, list) else [])
+            if isinstance(m, dict)
+        ]
+    else:
+        asked = data.get("prompt")
+    text = json.dumps(_normalized(asked), ensure_ascii=False, default=str)
+    return hashlib.blake2b(text.encode(errors="replace"), digest_size=8).hexdigest()
+
+
+def _normalized(value: Any) -> Any:
+    """Texts without case, runs of spaces or numbers' values; token ids as they are."""
+    if isinstance(value, str):
+        return _NUMBERS.sub("0", _SPACES.sub(" ", value.casefold()).strip())
+    if isinstance(value, list):
+        return [_normalized(v) for v in value]
+    return value
+
+
+def _text(content: Any) -> Any:
+    """A message's text: its string, or its text parts joined (other parts as they are)."""
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and "text" in p]
+        if len(texts) == len(content):
+            return " ".join(str(t) for t in texts)
+    return content
 
 
 def output_limit_field(data: dict[str, Any], endpoint: str) -> str:

@@ -15,6 +15,7 @@ from specserve.capture import store
 from specserve.cli import main as cli
 from specserve.metrics import CAPTURED_RECORDS
 from specserve.models import resolve_model_source
+from specserve.wire.requests import CHAT, COMPLETIONS, prompt_digest
 from tests.conftest import ADMIN_KEY, MODEL, render_config
 
 ARM = "ngram"
@@ -89,6 +90,13 @@ def test_sampled_requests_are_captured_as_the_engine_saw_them(live, restore_conf
         (ARM, "completions"),
     ]
     assert {r.key for r in records} == {"test-admin"}  # the name of the key that sent them
+    # The router's digest of each prompt, what the loop leaves an A/B's repeats out by.
+    asked = prompt_digest({"messages": MESSAGES}, CHAT)
+    assert [r.prompt_digest for r in records] == [
+        asked,
+        asked,
+        prompt_digest({"prompt": PROMPT}, COMPLETIONS),
+    ]
     tokenizer = AutoTokenizer.from_pretrained(
         resolve_model_source(live.platform.loaded.config.model.source)
     )

@@ -46,17 +46,20 @@ def seen_in_training(
 
 
 def _trained_on(
-    captured: Path, trained_arm: str | None, since: float, held_out: float, validation: float
+    records: Iterable[Record],
+    trained_arm: str | None,
+    since: float,
+    held_out: float,
+    validation: float,
 ) -> list[Record]:
-    """The records captured before `since` (by `trained_arm`; every arm for None) whose prompt
-    adapt's split puts in training: a superset of what it trained on (curation only drops
-    near-duplicates and rows over a key's share)."""
-    from specserve.capture import store
+    """Of `records`, those captured before `since` (by `trained_arm`; every arm for None)
+    whose prompt adapt's split puts in training: a superset of what it trained on (curation
+    only drops near-duplicates and rows over a key's share)."""
     from specserve.drafter.adapt import split_by_prompt
 
     rows = [
         {"prompt_token_ids": record.prompt_token_ids, "record": record}
-        for record in store.read(captured)
+        for record in records
         if record.at < since and trained_arm in (None, record.arm)
     ]
     training, _, _ = split_by_prompt(rows, held_out, validation)
@@ -68,11 +71,10 @@ def training_digests(
 ) -> frozenset[str]:
     """The prompt digests (wire/requests.py) of what adapt trained on, for the router to leave
     their requests out of the A/B; records captured before digests were kept have none."""
-    return frozenset(
-        record.prompt_digest
-        for record in _trained_on(captured, trained_arm, since, held_out, validation)
-        if record.prompt_digest is not None
-    )
+    from specserve.capture import store
+
+    trained = _trained_on(store.read(captured), trained_arm, since, held_out, validation)
+    return frozenset(r.prompt_digest for r in trained if r.prompt_digest is not None)
 
 
 def ab_traffic_seen(
@@ -83,16 +85,15 @@ def ab_traffic_seen(
     held_out_share: float,
     validation_share: float,
 ) -> dict:
-    """The loop's figure, from the capture store adapt read: the prompts trained on (captured
-    before `since`, the A/B's start) against those `served_arm` (the incumbent, which keeps its
-    capture) captured from `since` on."""
+    """The loop's figure, from the capture store adapt read (in one pass): the prompts trained
+    on (captured before `since`, the A/B's start) against those `served_arm` (the incumbent,
+    which keeps its capture) captured from `since` on."""
     from specserve.capture import store
 
-    during = [
-        record.prompt_token_ids for record in store.read(captured, served_arm) if record.at >= since
-    ]
+    records = list(store.read(captured))
+    during = [r.prompt_token_ids for r in records if r.at >= since and r.arm == served_arm]
     if not during:
         return {"unknown": f"{served_arm} captured no request during the A/B"}
-    training = _trained_on(captured, trained_arm, since, held_out_share, validation_share)
+    training = _trained_on(records, trained_arm, since, held_out_share, validation_share)
     found = seen_in_training((record.prompt_token_ids for record in training), during)
     return found | {"estimated_from": f"{served_arm}'s capture sample during the A/B"}

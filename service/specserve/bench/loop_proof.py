@@ -1,9 +1,10 @@
 """The closed loop on the embedded default, unattended: traffic of a domain the shipped drafters
-never saw (drafter/domain.py) drives a running `specserve serve` whose arms capture it; once
-`--capture` answers are kept, `specserve loop` adapts the incumbent's drafter, adds it as a
-challenger arm, waits for the A/B verdict and promotes or removes it, while the traffic goes on.
-Then the shipped and the promoted drafter are scored side by side on the domain's held-out
-prompts (never sent) and the original held-out sets, and acceptance over the run is plotted.
+never saw (`--domain`: drafter/domain.py, drafter/tickets.py) drives a running `specserve serve`
+whose arms capture it; once `--capture` answers are kept, `specserve loop` adapts the
+incumbent's drafter, adds it as a challenger arm, waits for the A/B verdict and promotes or
+removes it, while the traffic goes on. Then the shipped and the promoted drafter are scored side
+by side on the domain's held-out prompts (never sent; for the ticket domains, of templates and
+packages never sent) and the original held-out sets, and acceptance over the run is plotted.
 
     SPECSERVE_CONFIG=capture.yaml make serve    # every arm with `capture: {sample: 1.0}`
     prometheus --config.file=prom.yml           # scraping :9464 every 5 s
@@ -19,6 +20,7 @@ returns to `--concurrency` when the challenger is added. Writes `<out>/proof.jso
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -34,9 +36,18 @@ import yaml
 
 from specserve.capture import store
 from specserve.drafter.domain import extraction_requests
+from specserve.drafter.tickets import ticket_requests
 from specserve.metrics import SPEC_ACCEPTED_TOKENS, SPEC_DRAFTS
 
-EXTRACTION_SET = "extraction (held out)"
+# --domain -> (its held-out set's name, requests(count, held_out=, seed=)).
+DOMAINS = {
+    "extraction": ("extraction (held-out slot values)", extraction_requests),
+    "tickets": ("tickets (held-out templates and packages)", ticket_requests),
+    "tickets-long": (
+        "long tickets (held-out templates and packages)",
+        functools.partial(ticket_requests, long=True),
+    ),
+}
 ORIGINAL_SETS = ("chat", "coding")
 # Live acceptance length per arm, as the dashboards compute it (over a 2-minute window).
 LIVE_ACCEPTANCE = (
@@ -46,11 +57,11 @@ LIVE_ACCEPTANCE = (
 
 
 class Traffic:
-    """Chat requests of the extraction domain's training side, from `ceiling` threads of which
+    """Chat requests of a domain's training side, from `ceiling` threads of which
     only the first `concurrency` send (it can change while running); each request is a new
     user (the OpenAI `user` field), so the router splits by weight."""
 
-    def __init__(self, url: str, api_key: str, max_tokens: int, ceiling: int) -> None:
+    def __init__(self, url: str, api_key: str, domain: str, max_tokens: int, ceiling: int) -> None:
         import openai
 
         self.client = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=2)
@@ -59,7 +70,7 @@ class Traffic:
         self.sent, self.failed = 0, 0
         self._stop = threading.Event()
         self._prompts = itertools.chain.from_iterable(
-            extraction_requests(500, seed=seed) for seed in itertools.count()
+            DOMAINS[domain][1](500, seed=seed) for seed in itertools.count()
         )
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(ceiling)]
@@ -133,12 +144,15 @@ def run_loop(args: argparse.Namespace, traffic: Traffic, log: Path) -> tuple[int
         return process.wait(), marks
 
 
-def score(target: str, drafters: dict[str, str], held_out: int, per_set: int, out: Path):
+def score(
+    target: str, drafters: dict[str, str], domain: str, held_out: int, per_set: int, out: Path
+):
     from specserve.drafter.evaluate import evaluate, write_report
     from specserve.drafter.pipeline import eval_sets
 
+    name, requests = DOMAINS[domain]
     sets = {
-        EXTRACTION_SET: extraction_requests(held_out, held_out=True),
+        name: requests(held_out, held_out=True),
         **eval_sets(per_set, ORIGINAL_SETS),
     }
     # One thread and a 1 GiB KV cache: the serving engines still hold the rest of the machine.
@@ -200,7 +214,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| held-out set (k = 3) | shipped | adapted | ratio (95 % paired bootstrap) |",
         "| --- | --- | --- | --- |",
     ]
-    for name in (EXTRACTION_SET, *ORIGINAL_SETS):
+    for name in (DOMAINS[report["domain"]][0], *ORIGINAL_SETS):
         base, new = rows[("shipped", name)], rows[("adapted", name)]
         point, low, high = length_ratio(new, base)
         lines.append(
@@ -210,6 +224,16 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("verdict"):
         v = report["verdict"]
         lines.append(f"\nlast A/B row: {v['verdict']}: {v['reason']}")
+        lines.append(
+            f"the challenger's requests left out of the A/B, their prompt trained on: "
+            f"{v.get('left_out', 0):.0f}"
+        )
+    seen = report.get("seen_in_training") or {}
+    if "sampled" in seen:
+        lines.append(
+            f"of {seen['sampled']} A/B prompts the incumbent captured, {seen['exact']:.1%} were "
+            f"trained on exactly and {seen['near']:.1%} exactly or nearly"
+        )
     return "\n".join(lines)
 
 
@@ -225,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY", "none"))
     parser.add_argument("--captured", type=Path, help="default: the configured capture store")
     parser.add_argument("--incumbent", default="eagle3.1")
+    parser.add_argument("--domain", choices=sorted(DOMAINS), default="extraction")
     parser.add_argument("--capture", type=int, default=600, help="answers before the loop")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--adapt-concurrency", type=int, default=1)
@@ -252,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped = resolve_drafter_source(arm["speculative"]["model"])
 
     started = time.time()
-    traffic = Traffic(args.url, args.api_key, args.max_tokens, args.concurrency)
+    traffic = Traffic(args.url, args.api_key, args.domain, args.max_tokens, args.concurrency)
     traffic.start(args.concurrency)
     try:
         while (kept := captured(args.captured)) < args.capture:
@@ -273,14 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         score,
         str(prepare_model(served["model"]["source"])),
         {"shipped": shipped, "adapted": adapt["candidate"]},
+        args.domain,
         args.held_out,
         args.original_per_set,
         scores,
     )
     report = {
+        "domain": args.domain,
         "outcome": found["outcome"],
         "reason": found["reason"],
         "verdict": found["rows"][-1] if found["rows"] else None,
+        "seen_in_training": found.get("seen_in_training"),
         "steps": found["steps"],
         "started": started,
         "minutes": (ended - started) / 60,

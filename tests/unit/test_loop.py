@@ -5,6 +5,7 @@ tests/unit/test_ab*.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -409,14 +410,41 @@ class _Counters(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Scraped:
+    """A real Prometheus scraping `_Counters`: `until(query)` waits for a scrape that makes the
+    query true."""
+
+    def __init__(self, prometheus) -> None:  # noqa: ANN001
+        self.prometheus = prometheus
+
+    def until(self, query: str) -> None:
+        deadline = time.monotonic() + 30
+        while not self.prometheus.vector(query, time.time()):
+            assert time.monotonic() < deadline, f"never scraped: {query}"
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _scraping(tmp_path: Path, lines: list[str]):
+    from specserve.ab.prometheus import Prometheus
+    from tests.conftest import prometheus_server
+
+    _Counters.lines = lines
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with prometheus_server(tmp_path, f"127.0.0.1:{server.server_address[1]}") as url:
+            yield _Scraped(Prometheus(url))
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.ray  # a Prometheus server of its own
 def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometheus(tmp_path):
     """The query behind `Experiment.errors`: the challenger's server errors and all its
     requests since the experiment began, other outcomes and other arms left out. (A query
     Prometheus refused would read as "no report yet" and the guardrail would never fire.)"""
-    from specserve.ab.prometheus import Prometheus
     from specserve.metrics import ENDPOINT, EXPORT_PREFIX, OUTCOME, REQUESTS
-    from tests.conftest import prometheus_server
 
     def counters(ok: int, failed: int, elsewhere: int) -> list[str]:
         name = f"{EXPORT_PREFIX}{REQUESTS}_total"
@@ -431,29 +459,13 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
             ),
         ]
 
-    _Counters.lines = counters(ok=0, failed=0, elsewhere=0)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    try:
-        with prometheus_server(tmp_path, target) as url:
-            prometheus = Prometheus(url)
-            name = f"{EXPORT_PREFIX}{REQUESTS}_total"
-
-            def scraped(total: float) -> None:
-                """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
-                deadline = time.monotonic() + 30
-                while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
-                    assert time.monotonic() < deadline, f"no scrape of {total} requests"
-                    time.sleep(0.5)
-
-            scraped(5)  # the counters before the experiment's requests
-            since = time.time()
-            _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
-            scraped(45)  # and after them
-            failed, answered = prometheus.errors("c", since, time.time())
-    finally:
-        server.shutdown()
+    name = f"{EXPORT_PREFIX}{REQUESTS}_total"
+    with _scraping(tmp_path, counters(ok=0, failed=0, elsewhere=0)) as scraped:
+        scraped.until(f'sum({name}{{arm="c"}}) == 5')  # the counters before the experiment's
+        since = time.time()
+        _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
+        scraped.until(f'sum({name}{{arm="c"}}) == 45')  # and after them
+        failed, answered = scraped.prometheus.errors("c", since, time.time())
     # Exact: what each series grew by since the experiment began (increase() would extrapolate).
     assert (failed, answered) == (3, 40)
 
@@ -462,7 +474,6 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
 def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment(tmp_path):
     """A challenger's series begin with its first request: each counter's growth since the
     experiment began counts it (increase() sees no growth in a series' first sample)."""
-    from specserve.ab.prometheus import Prometheus
     from specserve.metrics import (
         ARM_SELECTIONS,
         EXPORT_PREFIX,
@@ -474,7 +485,6 @@ def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment
         SELECTED_BY_WEIGHT,
         STAT,
     )
-    from tests.conftest import prometheus_server
 
     selections = f"{EXPORT_PREFIX}{ARM_SELECTIONS}_total"
     count, total = (
@@ -490,27 +500,12 @@ def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment
             lines += [f"{count}{{{stat}}} {n}", f"{total}{{{stat}}} {10 * n}"]
         return lines
 
-    _Counters.lines = counters({"incumbent": 10})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    try:
-        with prometheus_server(tmp_path, target) as url:
-            prometheus = Prometheus(url)
-
-            def scraped(query: str) -> None:
-                deadline = time.monotonic() + 30
-                while not prometheus.vector(query, time.time()):
-                    assert time.monotonic() < deadline, f"never scraped: {query}"
-                    time.sleep(0.5)
-
-            scraped(f'{selections}{{arm="incumbent"}} == 10')
-            since = time.time()
-            _Counters.lines = counters({"incumbent": 25, "challenger": 7})
-            scraped(f'{selections}{{arm="challenger"}} == 7')
-            totals = prometheus.totals("m", since, time.time())
-    finally:
-        server.shutdown()
+    with _scraping(tmp_path, counters({"incumbent": 10})) as scraped:
+        scraped.until(f'{selections}{{arm="incumbent"}} == 10')
+        since = time.time()
+        _Counters.lines = counters({"incumbent": 25, "challenger": 7})
+        scraped.until(f'{selections}{{arm="challenger"}} == 7')
+        totals = scraped.prometheus.totals("m", since, time.time())
     assert totals["incumbent"].randomized == 15 and totals["challenger"].randomized == 7
     speed = totals["challenger"].stats[REQUEST_OUTPUT_SPEED]
     assert (speed.n, speed.total) == (7, 70)

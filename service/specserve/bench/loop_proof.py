@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from specserve.drafter.tickets import ticket_requests
 from specserve.metrics import SPEC_ACCEPTED_TOKENS, SPEC_DRAFTS
 
 # --domain -> (its held-out set's name, requests(count, held_out=, seed=)).
-DOMAINS = {
+DOMAINS: dict[str, tuple[str, Callable[..., list[list[dict]]]]] = {
     "extraction": ("extraction (held-out slot values)", extraction_requests),
     "tickets": ("tickets (held-out templates and packages)", ticket_requests),
     "tickets-long": (

@@ -151,10 +151,11 @@ def installed_packages() -> tuple[Package, ...]:
 
     found: dict[str, Package] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name")
-        about = " ".join((dist.metadata.get("Summary") or "").split())
+        fields = dist.metadata.json  # lower-case keys; the long description under "description"
+        name = str(fields.get("name") or "")
+        about = " ".join(str(fields.get("summary") or "").split())
         if name and len(about) >= 20:
-            description = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+            description = str(fields.get("description") or "")
             found.setdefault(name.lower(), Package(name, about.rstrip("."), description))
     return tuple(found[name] for name in sorted(found))
 

@@ -611,7 +611,7 @@ def adapt_failure(exc: BaseException) -> str:
         return str(exc.code)
     text = str(exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if "OutOfMemoryError" in text or "running low on memory" in text:
+    if any(sign in text for sign in ("OutOfMemoryError", "low on memory", "memory pressure")):
         return (
             "a worker was killed for memory (the node was past Ray's memory threshold): fewer "
             "--workers, a lower --replay-share or a smaller capture sample"

@@ -166,18 +166,36 @@ def test_the_peak_is_this_processs_anonymous_memory_while_the_block_ran():
     assert memory.anonymous_bytes() < used.peak  # it was given back: a peak, not the end
 
 
-def test_a_refusal_in_trainings_own_process_reaches_the_caller_as_its_one_line(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("failure", "kept", "says"),
+    [
+        # The plan's refusal, before any worker starts: adapt raises it as its one line.
+        (
+            MemoryPlanError("adapt does not fit: one worker needs ~3.1 GB"),
+            "REFUSED",
+            "adapt does not fit: one worker needs ~3.1 GB",
+        ),
+        # Ray's memory monitor killing a worker once training started.
+        (
+            RuntimeError("Task was killed due to the node running low on memory."),
+            "FAILED",
+            "RuntimeError: Task was killed due to the node running low on memory.",
+        ),
+    ],
+)
+def test_why_trainings_own_process_stopped_reaches_the_caller(
+    tmp_path, monkeypatch, failure, kept, says
 ):
-    """Training runs in a process of its own, whose exit code alone says nothing: the plan's
-    refusal is left in its out dir for adapt to raise (and the loop to print, exit code 2)."""
+    """Training runs in a process of its own, whose exit code alone says nothing: why it
+    stopped is left in its out dir for adapt to raise (and the loop to print, exit code 2)."""
     from specserve.drafter import adapt
 
-    def refuse(config, spec):  # noqa: ARG001
-        raise MemoryPlanError("adapt does not fit: one worker needs ~3.1 GB")
+    def stop(config, spec):  # noqa: ARG001
+        raise failure
 
-    monkeypatch.setattr(adapt, "_train_on_ray", refuse)
+    monkeypatch.setattr(adapt, "_train_on_ray", stop)
     spec = {"out": str(tmp_path / "train")}
-    with pytest.raises(MemoryPlanError):
+    with pytest.raises(type(failure)):
         adapt.train_on_ray(None, spec)
-    assert (tmp_path / "train" / adapt.REFUSED).read_text().startswith("adapt does not fit")
+    assert [p.name for p in (tmp_path / "train").iterdir()] == [getattr(adapt, kept)]
+    assert (tmp_path / "train" / getattr(adapt, kept)).read_text() == says

@@ -519,6 +519,10 @@ def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment
             RuntimeError("Task was killed due to the node running low on memory.\nMemory on the"),
             "killed for memory",
         ),
+        (
+            RuntimeError("TrainingFailedError: worker 0 died: killed due to memory pressure (OOM)"),
+            "killed for memory",
+        ),
         (ValueError("a shard is cut short\nTraceback ..."), "ValueError: a shard is cut short"),
     ],
 )

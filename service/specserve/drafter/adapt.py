@@ -52,6 +52,7 @@ MIN_HELD_OUT = 8  # prompts; fewer give no interval worth the name
 MAX_FORGETTING = 0.05  # the candidate keeps >= 95 % of the base's length on the original sets
 CAPTURED_SET = "captured"
 REFUSED = "refused.txt"  # under the training's out dir: why the run refused to start
+FAILED = "failed.txt"  # ... or why it failed once started (Ray's memory monitor, ...)
 ORIGINAL_SETS = ("chat", "coding")
 
 
@@ -273,13 +274,18 @@ def train_on_ray(config: AdaptConfig, spec: dict) -> None:
     """Run `_train_worker` on `config.workers` Ray Train workers (CPUs and gloo, or GPUs and
     NCCL), or as many as fit (memory.py); rank 0 writes `trained.json` when it is done. A
     refusal before any worker starts is also written to `<out>/refused.txt`: this runs in a
-    process of its own, whose exit code alone would not say why."""
+    process of its own, whose exit code alone would not say why; a failure once started, to
+    `<out>/failed.txt`."""
+    out = Path(spec["out"])
     try:
         _train_on_ray(config, spec)
     except (SystemExit, memory.MemoryPlanError) as exc:
-        out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
         (out / REFUSED).write_text(str(exc.code if isinstance(exc, SystemExit) else exc))
+        raise
+    except Exception as exc:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / FAILED).write_text(f"{type(exc).__name__}: {exc}")
         raise
 
 
@@ -510,6 +516,8 @@ def _adapt_on(
     except RuntimeError:
         if (work / "train" / REFUSED).exists():  # the run's own one line
             raise SystemExit((work / "train" / REFUSED).read_text()) from None
+        if (work / "train" / FAILED).exists():  # what stopped it, for the loop's one line
+            raise RuntimeError((work / "train" / FAILED).read_text()) from None
         raise
     trained = json.loads((work / "train" / "trained.json").read_text())
     candidate = content_addressed(work / "train" / "export", work / "candidates")

@@ -5,7 +5,6 @@ tests/unit/test_ab*.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import os
@@ -410,41 +409,14 @@ class _Counters(http.server.BaseHTTPRequestHandler):
         pass
 
 
-class _Scraped:
-    """A real Prometheus scraping `_Counters`: `until(query)` waits for a scrape that makes the
-    query true."""
-
-    def __init__(self, prometheus) -> None:  # noqa: ANN001
-        self.prometheus = prometheus
-
-    def until(self, query: str) -> None:
-        deadline = time.monotonic() + 30
-        while not self.prometheus.vector(query, time.time()):
-            assert time.monotonic() < deadline, f"never scraped: {query}"
-            time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def _scraping(tmp_path: Path, lines: list[str]):
-    from specserve.ab.prometheus import Prometheus
-    from tests.conftest import prometheus_server
-
-    _Counters.lines = lines
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with prometheus_server(tmp_path, f"127.0.0.1:{server.server_address[1]}") as url:
-            yield _Scraped(Prometheus(url))
-    finally:
-        server.shutdown()
-
-
 @pytest.mark.ray  # a Prometheus server of its own
 def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometheus(tmp_path):
     """The query behind `Experiment.errors`: the challenger's server errors and all its
     requests since the experiment began, other outcomes and other arms left out. (A query
     Prometheus refused would read as "no report yet" and the guardrail would never fire.)"""
+    from specserve.ab.prometheus import Prometheus
     from specserve.metrics import ENDPOINT, EXPORT_PREFIX, OUTCOME, REQUESTS
+    from tests.conftest import prometheus_server
 
     def counters(ok: int, failed: int, elsewhere: int) -> list[str]:
         name = f"{EXPORT_PREFIX}{REQUESTS}_total"
@@ -459,13 +431,28 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
             ),
         ]
 
-    name = f"{EXPORT_PREFIX}{REQUESTS}_total"
-    with _scraping(tmp_path, counters(ok=0, failed=0, elsewhere=0)) as scraped:
-        since = time.time()
-        scraped.until(f'sum({name}{{arm="c"}}) == 5')  # the counters before the experiment's
-        _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
-        scraped.until(f'sum({name}{{arm="c"}}) == 45')  # and after them
-        failed, answered = scraped.prometheus.errors("c", since, time.time())
+    _Counters.lines = counters(ok=0, failed=0, elsewhere=0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    target = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with prometheus_server(tmp_path, target) as url:
+            prometheus, since = Prometheus(url), time.time()
+            name = f"{EXPORT_PREFIX}{REQUESTS}_total"
+
+            def scraped(total: float) -> None:
+                """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
+                deadline = time.monotonic() + 30
+                while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
+                    assert time.monotonic() < deadline, f"no scrape of {total} requests"
+                    time.sleep(0.5)
+
+            scraped(5)  # the counters before the experiment's requests
+            _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
+            scraped(45)  # and after them
+            failed, answered = prometheus.errors("c", since, time.time())
+    finally:
+        server.shutdown()
     # increase() extrapolates to the window's ends, alike for series scraped together.
     assert answered > 0 and failed / answered == pytest.approx(3 / 40)
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import string
 
 from specserve.drafter import tickets
-from specserve.drafter.tickets import SYSTEM_PROMPT, TEMPLATES, held_out, sides, ticket_requests
+from specserve.drafter.prompts import is_held_out
+from specserve.drafter.tickets import (
+    HELD_OUT_EVERY,
+    SYSTEM_PROMPT,
+    TEMPLATES,
+    sides,
+    ticket_requests,
+)
 
 
 def template_of(text: str) -> str:
@@ -32,9 +39,8 @@ def test_the_held_out_side_shares_no_template_and_no_package_with_training():
     assert len(TEMPLATES) >= 40 and len(test_templates) >= 5 and len(train_templates) >= 20
     assert not set(train_templates) & set(test_templates)
     assert not {p.name for p in train_packages} & {p.name for p in test_packages}
-    assert all(held_out(t) for t in test_templates) and not any(
-        held_out(t) for t in train_templates
-    )
+    assert all(is_held_out(t, HELD_OUT_EVERY) for t in test_templates)
+    assert not any(is_held_out(t, HELD_OUT_EVERY) for t in train_templates)
 
     for side, (templates, packages) in ((False, sides()[False]), (True, sides()[True])):
         names = {p.name for p in packages}

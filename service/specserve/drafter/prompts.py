@@ -248,9 +248,9 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-def is_held_out(key: str) -> bool:
-    """Every 5th item by hash goes to evaluation; the rest may be trained on."""
-    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 5 == 0
+def is_held_out(key: str, every: int = 5) -> bool:
+    """Every `every`-th item by hash goes to evaluation; the rest may be trained on."""
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % every == 0
 
 
 def _with_system(rng: random.Random, user: str, systems=SYSTEM_PROMPTS) -> list[Message]:

@@ -18,10 +18,11 @@ ticket, as a user pasting the README they read: prompts of 300 tokens and more.
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 import re
 from dataclasses import dataclass
+
+from specserve.drafter.prompts import is_held_out
 
 SYSTEM_PROMPT = (
     "You triage support tickets for a software vendor. Read the ticket and reply with JSON only, "
@@ -30,7 +31,7 @@ SYSTEM_PROMPT = (
     '"summary" (one sentence) and "next_step" (one sentence).'
 )
 LONG_CONTEXT_CHARS = 2400
-HELD_OUT_SHARE = 4  # one template and one package in four are held out
+HELD_OUT_EVERY = 4  # one template and one package in four are held out (by digest)
 
 TEMPLATES = [
     # install
@@ -160,18 +161,13 @@ def installed_packages() -> tuple[Package, ...]:
     return tuple(found[name] for name in sorted(found))
 
 
-def held_out(source: str) -> bool:
-    """A template's or a package's side, by a digest of its text."""
-    return hashlib.sha256(source.encode()).digest()[0] % HELD_OUT_SHARE == 0
-
-
 def sides() -> dict[bool, tuple[list[str], list[Package]]]:
     """{held out?: (templates, packages)}; each side nonempty."""
     packages = installed_packages()
     split = {
         side: (
-            [t for t in TEMPLATES if held_out(t) == side],
-            [p for p in packages if held_out(p.name) == side],
+            [t for t in TEMPLATES if is_held_out(t, HELD_OUT_EVERY) == side],
+            [p for p in packages if is_held_out(p.name, HELD_OUT_EVERY) == side],
         )
         for side in (False, True)
     }
@@ -182,6 +178,7 @@ def sides() -> dict[bool, tuple[list[str], list[Package]]]:
     return split
 
 
+@functools.cache  # a long ticket pastes it, and a draw asks for it per package
 def _context(package: Package) -> str:
     """The package's description as pasted text: markup lines dropped, cut at a line end."""
     markup = re.compile(r"\s*(\.\.|<|!\[|\[!)")  # directives, HTML, images and badges

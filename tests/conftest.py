@@ -3,11 +3,13 @@ two router replicas on one node, started once per session on free loopback ports
 
 from __future__ import annotations
 
+import http.server
 import os
 import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -314,6 +316,33 @@ class Prometheus:
     def rules(self) -> list[dict]:
         groups = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         return [rule for group in groups for rule in group["rules"]]
+
+
+class _Exposition(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        body = ("\n".join(self.server.lines) + "\n").encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def metrics_port(lines: list[str]) -> Iterator[http.server.ThreadingHTTPServer]:
+    """A stand-in for Ray's metrics export port, for tests that must choose what it exports
+    (Prometheus's text format, what Ray's exporter speaks): it says `server.lines`, which the
+    test may replace at any time; `server.target` is its host:port, for a scrape config."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
+    server.lines = lines  # type: ignore[attr-defined]
+    server.target = f"127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
 
 
 @contextmanager

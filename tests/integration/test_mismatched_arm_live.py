@@ -286,7 +286,7 @@ def check_drain_and_return(live, with_arm: str) -> None:
 
 
 CAPTURED = 60  # extraction requests captured for adapt
-MAX_WAIT_S = 90  # for the A/B's verdict, from the challenger's first answer
+MAX_WAIT_S = 120  # for the A/B's verdict, from the challenger's first answer
 
 
 def with_capture(config: str, arm: str) -> str:
@@ -475,11 +475,13 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     # while the challenger served; the A/B's own prompt was never captured: none left out.
     left_out = re.search(r"(\d+) prompts trained on: their requests are left out", run.stdout)
     assert left_out and 0 < int(left_out[1]) <= CAPTURED, run.stdout[-3000:]
-    assert found["rows"][-1]["left_out"] == 0
     assert found["challenger"] == candidate.name
-    assert found["outcome"] in {loop.PROMOTED, loop.ROLLED_BACK, loop.TIMED_OUT}, found["reason"]
-    assert found["rows"], "the experiment was never read"
-    assert found["rows"][-1]["acceptance_length"]["mean"] > 1.2  # a drafter that guesses right
+    ended = (found["outcome"], found["reason"], run.stdout[-3000:])
+    assert found["outcome"] in {loop.PROMOTED, loop.ROLLED_BACK, loop.TIMED_OUT}, ended
+    assert found["rows"], ended  # the experiment was read
+    assert found["rows"][-1]["left_out"] == 0
+    acceptance = found["rows"][-1]["acceptance_length"]
+    assert acceptance and acceptance["mean"] > 1.2, ended  # a drafter that guesses right
     arms = {arm.name: arm for arm in after.arms}
     assert candidate.name not in arms  # the challenger is gone whatever the outcome
     incumbent = arms[ARM].speculative.model

@@ -5,7 +5,6 @@ tests/unit/test_ab*.py)."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import socket
@@ -333,7 +332,6 @@ def test_abort_stops_a_running_loop_which_takes_its_challenger_out(tmp_path, cli
     loop takes as KeyboardInterrupt, cli.py, and removes its challenger: tested above) and waits
     until the loop has ended its record."""
     import signal
-    import threading
 
     cli, live = cli_store
     work = tmp_path / "work"
@@ -393,22 +391,6 @@ def test_undo_returns_to_the_revision_before_the_loop_in_one_step(tmp_path, cli_
     assert live.read_text() == before
 
 
-class _Counters(http.server.BaseHTTPRequestHandler):
-    """A metrics port as Ray exports the router's request counter: `lines` is what it says."""
-
-    lines: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802
-        body = ("\n".join(self.lines) + "\n").encode()
-        self.send_response(200)
-        self.send_header("content-type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.mark.ray  # a Prometheus server of its own
 def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometheus(tmp_path):
     """The query behind `Experiment.errors`: the challenger's server errors and all its
@@ -416,7 +398,7 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
     Prometheus refused would read as "no report yet" and the guardrail would never fire.)"""
     from specserve.ab.prometheus import Prometheus
     from specserve.metrics import ENDPOINT, EXPORT_PREFIX, OUTCOME, REQUESTS
-    from tests.conftest import prometheus_server
+    from tests.conftest import metrics_port, prometheus_server
 
     def counters(ok: int, failed: int, elsewhere: int) -> list[str]:
         name = f"{EXPORT_PREFIX}{REQUESTS}_total"
@@ -431,28 +413,24 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
             ),
         ]
 
-    _Counters.lines = counters(ok=0, failed=0, elsewhere=0)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counters)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    try:
-        with prometheus_server(tmp_path, target) as url:
-            prometheus, since = Prometheus(url), time.time()
-            name = f"{EXPORT_PREFIX}{REQUESTS}_total"
+    with (
+        metrics_port(counters(ok=0, failed=0, elsewhere=0)) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus, since = Prometheus(url), time.time()
+        name = f"{EXPORT_PREFIX}{REQUESTS}_total"
 
-            def scraped(total: float) -> None:
-                """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
-                deadline = time.monotonic() + 30
-                while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
-                    assert time.monotonic() < deadline, f"no scrape of {total} requests"
-                    time.sleep(0.5)
+        def scraped(total: float) -> None:
+            """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
+            deadline = time.monotonic() + 30
+            while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
+                assert time.monotonic() < deadline, f"no scrape of {total} requests"
+                time.sleep(0.5)
 
-            scraped(5)  # the counters before the experiment's requests
-            _Counters.lines = counters(ok=37, failed=3, elsewhere=50)
-            scraped(45)  # and after them
-            failed, answered = prometheus.errors("c", since, time.time())
-    finally:
-        server.shutdown()
+        scraped(5)  # the counters before the experiment's requests
+        port.lines = counters(ok=37, failed=3, elsewhere=50)
+        scraped(45)  # and after them
+        failed, answered = prometheus.errors("c", since, time.time())
     # increase() extrapolates to the window's ends, alike for series scraped together.
     assert answered > 0 and failed / answered == pytest.approx(3 / 40)
 

@@ -31,6 +31,7 @@ from specserve.metrics import (
     REQUEST_STAT_SUM,
     REQUESTS,
     REQUESTS_IN_FLIGHT,
+    REVISION,
     SELECTED_BY,
     SELECTED_BY_STICKY,
     SELECTED_BY_WEIGHT,
@@ -46,6 +47,11 @@ from specserve.metrics import (
 
 # How far back the start of the active config revision is looked for.
 REVISION_LOOKBACK = "7d"
+# Gauges are read as their last value in this window, not at one instant: a gauge is gone from
+# Prometheus from the first scrape that misses it (Ray's exporter drops one its process has not
+# set for two report intervals; a scrape that times out loses them all), and on a loaded node
+# the router's gauges were missing for 10-15 s at a time (2 cores beside three busy engines).
+GAUGE_LOOKBACK_S = 30
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -129,7 +135,7 @@ class Prometheus:
     # -- what the report needs --------------------------------------------------------------
 
     def model(self) -> str:
-        found = self.vector(_name(CONFIG_INFO), time.time())
+        found = self.vector(_last(_name(CONFIG_INFO)), time.time())
         models = {labels["model"] for labels, _ in found if "model" in labels}
         if not models:
             raise PrometheusError(
@@ -141,11 +147,13 @@ class Prometheus:
         return models.pop()
 
     def revision_start(self, model: str, now: float) -> tuple[str, float]:
-        """The active config revision and when Prometheus first saw it."""
-        found = self.vector(f'{_name(CONFIG_INFO)}{{model="{model}"}}', now)
+        """The active config revision (the one seen last) and when Prometheus first saw it."""
+        info = f'{_name(CONFIG_INFO)}{{model="{model}"}}'
+        last_seen = f"max_over_time(timestamp({info})[{GAUGE_LOOKBACK_S}s:1s])"
+        found = self.vector(f"max by ({REVISION}) ({last_seen})", now)
         if not found:
             raise PrometheusError(f"no active config revision of model {model!r}")
-        revision = max(found, key=lambda r: r[1])[0]["revision"]
+        revision = max(found, key=lambda r: r[1])[0][REVISION]
         series = f'{_name(CONFIG_INFO)}{{model="{model}",revision="{revision}"}}'
         query = f"min_over_time(timestamp(max({series}))[{REVISION_LOOKBACK}:15s])"
         first = self.vector(query, now)
@@ -161,7 +169,7 @@ class Prometheus:
             return self.vector(query, now)
 
         for labels, value in self.vector(
-            f"max by ({ARM}) ({_name(ARM_WEIGHT)}{{{selector}}})", now
+            f"max by ({ARM}) ({_last(_name(ARM_WEIGHT) + '{' + selector + '}')})", now
         ):
             arms[labels[ARM]].weight = value
         randomized = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
@@ -267,7 +275,8 @@ class Prometheus:
 
     def drained(self, arm: str, at: float) -> bool:
         """Whether any router's acceptance guardrail holds `arm` drained."""
-        found = self.vector(f'max({_name(ARM_DRAINED)}{{{ARM}="{arm}"}})', at)
+        series = f'{_name(ARM_DRAINED)}{{{ARM}="{arm}"}}'
+        found = self.vector(f"max({_last(series)})", at)
         return bool(found and found[0][1] > 0)
 
     def speed_by_load(
@@ -301,3 +310,8 @@ def _series_key(labels: dict[str, str]) -> frozenset[tuple[str, str]]:
 def _name(metric: str) -> str:
     """A metric's name as Prometheus stores it (Ray's exporter prefix)."""
     return EXPORT_PREFIX + metric
+
+
+def _last(series: str) -> str:
+    """A gauge's last value within GAUGE_LOOKBACK_S, gaps in its export bridged."""
+    return f"last_over_time({series}[{GAUGE_LOOKBACK_S}s])"

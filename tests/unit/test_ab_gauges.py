@@ -1,0 +1,74 @@
+"""What the A/B report and the loop read from the router's gauges (ab/prometheus.py), against a
+real Prometheus. Ray's exporter drops a gauge its process has not set for two report intervals,
+and on a loaded node the router's gauges leave scrapes for seconds at a time; a metrics port
+whose exposition the test chooses (tests/conftest.py) plays those gaps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specserve.ab.prometheus import GAUGE_LOOKBACK_S, Prometheus, PrometheusError
+from specserve.metrics import ARM, ARM_DRAINED, ARM_WEIGHT, CONFIG_INFO, EXPORT_PREFIX, REVISION
+from tests.conftest import metrics_port, prometheus_server
+
+MODEL = "m"
+
+
+def gauges(revision: str, weights: dict[str, float], drained: set[str]) -> list[str]:
+    lines = [f'{EXPORT_PREFIX}{CONFIG_INFO}{{model="{MODEL}",{REVISION}="{revision}"}} 1']
+    for arm, weight in weights.items():
+        labels = f'model="{MODEL}",{ARM}="{arm}"'
+        lines.append(f"{EXPORT_PREFIX}{ARM_WEIGHT}{{{labels}}} {weight}")
+        lines.append(f"{EXPORT_PREFIX}{ARM_DRAINED}{{{labels}}} {int(arm in drained)}")
+    return lines
+
+
+@pytest.mark.ray  # a Prometheus server of its own
+def test_gauges_missing_from_a_few_scrapes_still_give_the_model_revision_weights_and_drains(
+    tmp_path,
+):
+    with (
+        metrics_port(gauges("r1", {"a": 1.0}, set())) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus = Prometheus(url)
+
+        def scraped(revision: str) -> None:
+            deadline = time.monotonic() + 30
+            query = f'{EXPORT_PREFIX}{CONFIG_INFO}{{{REVISION}="{revision}"}}'
+            while not prometheus.vector(query, time.time()):
+                assert time.monotonic() < deadline, f"revision {revision} never scraped"
+                time.sleep(0.5)
+
+        scraped("r1")
+        first = time.time()
+        time.sleep(2)  # r1 stays a few scrapes, then a new revision: a challenger at 0.5, drained
+        port.lines = gauges("r2", {"a": 0.5, "c": 0.5}, {"c"})
+        scraped("r2")
+        time.sleep(2)
+        port.lines = []  # the exporter drops every gauge: the gap
+        deadline = time.monotonic() + 30
+        while prometheus.vector(f"{EXPORT_PREFIX}{CONFIG_INFO}", time.time()):
+            assert time.monotonic() < deadline, "the gap never reached Prometheus"
+            time.sleep(0.5)
+
+        now = time.time()  # in the gap: no gauge at this instant
+        model = prometheus.model()
+        revision, start = prometheus.revision_start(MODEL, now)
+        weights = {arm: t.weight for arm, t in prometheus.totals(MODEL, first, now).items()}
+        drained = prometheus.drained("c", now), prometheus.drained("a", now)
+        # Past the lookback, what was last exported has aged out.
+        later = now + GAUGE_LOOKBACK_S + 5
+        time.sleep(later - time.time())
+        with pytest.raises(PrometheusError, match=f"no {EXPORT_PREFIX}{CONFIG_INFO} series"):
+            prometheus.model()
+        aged = prometheus.totals(MODEL, first, time.time())
+
+    assert model == MODEL
+    # The newest revision, not the one whose value happens to be larger: both were 1.
+    assert revision == "r2" and start > first
+    assert weights == {"a": 0.5, "c": 0.5}
+    assert drained == (True, False)
+    assert all(t.weight == 0 for t in aged.values())

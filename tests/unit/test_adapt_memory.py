@@ -121,10 +121,17 @@ print(json.dumps({"loaded": loaded, "peak": peak}))
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts():
-    """Prompts 3-4x the proof's (1,500 tokens, 200-token answers), two to a 4,096-token feature
-    forward, as a worker computes them: the measured peak stays under the plan's estimate of
-    the whole worker, and what the forwards add under its estimate of a forward."""
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [
+        (1500, 4),  # prompts 3-4x the proof's, two to a 4,096-token forward
+        (2470, 2),  # a replayed answer's length (2,670 tokens in all), one to a forward
+    ],
+)
+def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts(prompt, count):
+    """Long sequences with 200-token answers, as a worker computes their states: the measured
+    peak stays under the plan's estimate of the whole worker, and what the forwards add under
+    its estimate of a forward."""
     import json
     import subprocess
     import sys
@@ -135,7 +142,7 @@ def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts():
     from specserve.models import resolve_model_source
 
     target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
-    prompt, answer, count, batch = 1500, 200, 4, 4096
+    answer, batch = 200, 4096
     run = subprocess.run(
         [sys.executable, "-c", PROBE, target, *map(str, (prompt, answer, count, batch))],
         capture_output=True,
@@ -153,6 +160,45 @@ def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts():
     print(f"peak {measured['peak'] / GB:.2f} GB (estimate {worker / GB:.2f}), forwards")
     print(f"+{added / GB:.2f} GB (estimate {forward / GB:.2f})")
     assert measured["peak"] <= worker and added <= forward
+
+
+def test_the_plan_counts_the_replayed_answers_beside_the_captured_rows(tmp_path):
+    """The replayed build answers go through the workers' forwards too: the plan sizes them
+    by the longest of both (it once counted the captured rows alone, 240 tokens, and a worker
+    went past its estimate on a 2,670-token replayed answer)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specserve.config.schema import load_config
+    from specserve.config.settings import DEFAULT_CONFIG_PATH
+    from specserve.drafter.adapt import planned_sequences
+    from specserve.models import resolve_model_source
+
+    target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
+    captured = {"prompt_token_ids": [7] * 150, "output_token_ids": [8] * 90}
+    rows = {"training": [captured] * 3, "validation": [captured], "held_out": []}
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    manual = [
+        {"role": "user", "content": "Summarise the manual."},
+        {"role": "assistant", "content": "The manual says: " + "options and flags, " * 600},
+    ]
+    unanswered = [{"role": "user", "content": "What is this?"}]
+    (replay / "answers.jsonl").write_text(
+        "\n".join(json.dumps({"messages": m}) for m in (manual, unanswered)) + "\n"
+    )
+    spec = {"rows": str(tmp_path / "rows.json")}
+
+    alone = planned_sequences(spec, target)
+    both = planned_sequences(spec | {"replay": {"source": str(replay), "count": 1}}, target)
+
+    assert alone.longest == 240 and alone.mean == 240
+    tokens = AutoTokenizer.from_pretrained(target).apply_chat_template(manual, tokenize=True)
+    tokens = tokens["input_ids"] if isinstance(tokens, dict) or hasattr(tokens, "keys") else tokens
+    assert both.longest == len(tokens) > 2000  # the unanswered one is not computed
+    assert both.mean == (4 * 240 + len(tokens)) / 5
 
 
 def test_the_peak_is_this_processs_anonymous_memory_while_the_block_ran():

@@ -42,7 +42,12 @@ from typing import Any
 
 from specserve.drafter import memory
 from specserve.drafter.curation import cap_key_share, drop_near_duplicates
-from specserve.drafter.data import FEATURE_BATCH_TOKENS, FEATURE_MAX_LEN, SHARD_SEQUENCES
+from specserve.drafter.data import (
+    FEATURE_BATCH_TOKENS,
+    FEATURE_MAX_LEN,
+    SHARD_SEQUENCES,
+    conversation_lengths,
+)
 from specserve.drafter.evaluate import length_ratio
 from specserve.drafter.train import TrainConfig
 
@@ -365,15 +370,25 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
         steps=train["steps"],
         draft_vocab=draft.get("draft_vocab_size", draft["vocab_size"]),
     )
+    data = planned_sequences(spec, config.target_dir)
+    target = memory.TargetShape.of(config.target_dir, dtype_bytes)
+    return memory.plan(config.workers, found, target, data, sizes)
+
+
+def planned_sequences(spec: dict, target_dir: str) -> memory.Sequences:
+    """The sequences a worker computes states for: the captured rows, and the replayed build
+    answers, which go through the same forwards and can be far longer (2,670 tokens beside the
+    captured 240 on the ticket domain's run, whose plan counted only the captured ones)."""
     rows = json.loads(Path(spec["rows"]).read_text())
     lengths = [
         len(row["prompt_token_ids"]) + len(row["output_token_ids"])
         for part in rows.values()
         for row in part
     ]
-    data = memory.Sequences.of(lengths, SHARD_SEQUENCES)
-    target = memory.TargetShape.of(config.target_dir, dtype_bytes)
-    return memory.plan(config.workers, found, target, data, sizes)
+    if spec.get("replay"):
+        answers = Path(spec["replay"]["source"]) / "answers.jsonl"
+        lengths += conversation_lengths(answers, target_dir)
+    return memory.Sequences.of(lengths, SHARD_SEQUENCES)
 
 
 def _join_or_start(config: AdaptConfig) -> None:

@@ -180,11 +180,28 @@ def capture_features(
     exactly those, and stale shards go. Shard boundaries follow content (`shard_groups`), so
     appended, dropped or changed answers recapture only the shards they fall in."""
     rows = [json.loads(line) for line in conversations.read_text().splitlines()]
+    groups = shard_groups([row for row in rows if answered(row)])
+    token_ids = _chat_token_ids(model_dir)
+    return _write_shards(
+        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part, batch_tokens
+    )
+
+
+def conversation_lengths(conversations: Path, model_dir: str) -> list[int]:
+    """The tokens of each answered conversation `capture_features` would compute states for."""
+    rows = [json.loads(line) for line in conversations.read_text().splitlines()]
+    token_ids = _chat_token_ids(model_dir)
+    return [len(token_ids(row)[0]) for row in rows if answered(row)]
+
+
+def _chat_token_ids(model_dir: str) -> Callable[[dict], tuple[list[int], int]]:
+    """-> a row's whole conversation in the target's chat template, and where its answer
+    starts (the tokenizer loaded at the first call: only when a shard is missing)."""
     tokenizer = None
 
     def token_ids(row: dict) -> tuple[list[int], int]:
         nonlocal tokenizer
-        if tokenizer is None:  # only when a shard is missing
+        if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -195,10 +212,7 @@ def capture_features(
         full = tokenizer.apply_chat_template(messages, tokenize=True)
         return list(_ids(full)), len(list(_ids(prompt)))
 
-    groups = shard_groups([row for row in rows if answered(row)])
-    return _write_shards(
-        groups, model_dir, out_dir, aux_layer_ids, max_len, token_ids, threads, part, batch_tokens
-    )
+    return token_ids
 
 
 def capture_token_features(

@@ -106,12 +106,12 @@ from transformers import AutoConfig
 from specserve.drafter.data import _feature_model, features_batched
 from specserve.drafter.model import DrafterConfig
 
-target, prompt, answer, count, batch = sys.argv[1], *map(int, sys.argv[2:6])
+target, lengths, answer, batch = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:5])
 layers = DrafterConfig.for_target(AutoConfig.from_pretrained(target)).aux_layer_ids
 model = _feature_model(target, 1)
 loaded = int(open("/proc/self/statm").read().split()[1]) * 4096
 rng = random.Random(0)
-sequences = [([rng.randrange(100, 40000) for _ in range(prompt + answer)], prompt)] * count
+sequences = [([rng.randrange(100, 40000) for _ in range(n)], n - answer) for n in lengths]
 records = features_batched(model, sequences, layers, batch)
 assert all(r is not None for r in records)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -122,16 +122,16 @@ print(json.dumps({"loaded": loaded, "peak": peak}))
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("prompt", "count"),
+    ("lengths", "answer"),
     [
-        (1500, 4),  # prompts 3-4x the proof's, two to a 4,096-token forward
-        (2470, 2),  # a replayed answer's length (2,670 tokens in all), one to a forward
+        ([1700] * 4, 200),  # prompts 3-4x the proof's, two to a 4,096-token forward
+        ([2670] * 2, 200),  # a replayed answer's length, one to a forward
     ],
+    ids=["long", "replayed"],
 )
-def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts(prompt, count):
-    """Long sequences with 200-token answers, as a worker computes their states: the measured
-    peak stays under the plan's estimate of the whole worker, and what the forwards add under
-    its estimate of a forward."""
+def test_the_estimate_holds_a_workers_measured_peak(lengths, answer):
+    """Sequences as a worker computes their states: the measured peak stays under the plan's
+    estimate of the whole worker, and what the forwards add under its estimate of a forward."""
     import json
     import subprocess
     import sys
@@ -142,9 +142,9 @@ def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts(prompt, coun
     from specserve.models import resolve_model_source
 
     target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
-    answer, batch = 200, 4096
+    batch = 4096
     run = subprocess.run(
-        [sys.executable, "-c", PROBE, target, *map(str, (prompt, answer, count, batch))],
+        [sys.executable, "-c", PROBE, target, json.dumps(lengths), str(answer), str(batch)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -152,7 +152,7 @@ def test_the_estimate_holds_a_workers_measured_peak_on_long_prompts(prompt, coun
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     shape = TargetShape.of(target, 2 if fast_dtype() == "bfloat16" else 4)
-    data = Sequences.of([prompt + answer] * count, per_shard=count)
+    data = Sequences.of(lengths, per_shard=len(lengths))
     sizes = Sizes(batch, 3072, 512, 3, 8192)
     worker = memory.worker_bytes(shape, data, sizes)
     forward = memory.forward_bytes(shape, data, sizes)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.drafter.memory import give_back_freed
 from specserve.drafter.prompts import SELF_INSTRUCT_REQUEST, Prompt, clean_question
 from specserve.hardware import fast_dtype
 
@@ -339,6 +340,8 @@ def features_batched(
                 "final": final[b, :n].clone(),
                 "answer_start": sequences[i][1],
             }
+        del output, hidden, aux, final
+        give_back_freed()  # what the forward freed, before the next one's shapes (memory.py)
     return results
 
 

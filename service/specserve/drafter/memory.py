@@ -22,6 +22,8 @@ the kernel takes back under pressure, which Ray's monitor does not count as used
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import threading
@@ -271,3 +273,23 @@ def anonymous_bytes() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def give_back_freed() -> None:
+    """Hand the pages the C allocator holds freed back to the kernel (glibc's `malloc_trim`).
+    Each feature forward allocates about 1 GB in blocks whose sizes change with the batch's
+    shape, and glibc kept what was freed: over the ticket run's forwards, each under 1 GB, a
+    process grew 2.6 GB. Without glibc, nothing."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - musl and others have no malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return libc

@@ -154,6 +154,22 @@ def test_the_verdict_waits_for_enough_groups_of_users_and_a_heavy_user_is_no_mis
     assert row["traffic"]["mismatch"] and "weight share" in row["reason"]
 
 
+def test_an_arm_no_group_has_reached_yet_is_a_mismatch_only_past_what_chance_explains():
+    """The loop's first reads: the challenger (a quarter of the weight) has not been chosen
+    yet. No group shows spread; chance alone leaves it at 0 of 10 requests one time in 18,
+    at 0 of 120 practically never."""
+    speeds = np.full(1, 30.0)
+
+    def split(requests: int) -> dict:
+        others = clustered_arm(3, {str(b): speeds for b in range(requests)})
+        return {"base": others, "new": ArmTotals(weight=1)}
+
+    early = compare(split(10), {}, {}, Options(baseline="base"))["arms"][1]["traffic"]
+    late = compare(split(120), {}, {}, Options(baseline="base"))["arms"][1]["traffic"]
+    assert early == {"expected": 0.25, "observed": 0.0, "mismatch": False}
+    assert late == {"expected": 0.25, "observed": 0.0, "mismatch": True}
+
+
 def test_the_report_names_its_unit():
     speeds = {str(b): np.full(3, 30.0) for b in range(10)}
     sticky = {"a": clustered_arm(1, speeds), "b": clustered_arm(1, speeds)}

@@ -233,7 +233,12 @@ def clustered_traffic_share(
             (arm.selections_by_bucket.get(b, 0.0) - observed * by_bucket[b]) ** 2 for b in groups
         )
         error = math.sqrt(g / (g - 1) * spread) / total
-        # All traffic in one arm leaves no spread: any departure from the weights is a mismatch.
+        # Every group split alike (all of it to one side, as a challenger's first seconds can
+        # be, or the same share in each) leaves no spread between groups: the requests' own
+        # binomial spread is then the least the share can have. 0 of 10 requests at a 25 %
+        # share happens one time in 18; 0 of 100 is a mismatch.
+        if error == 0:
+            error = math.sqrt(expected * (1 - expected) / total)
         if error > 0:
             off = abs(observed - expected) / error
         else:

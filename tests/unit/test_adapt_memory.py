@@ -173,6 +173,7 @@ def test_the_plan_counts_the_replayed_answers_beside_the_captured_rows(tmp_path)
     from specserve.config.schema import load_config
     from specserve.config.settings import DEFAULT_CONFIG_PATH
     from specserve.drafter.adapt import planned_sequences
+    from specserve.drafter.data import _ids
     from specserve.models import resolve_model_source
 
     target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
@@ -195,8 +196,7 @@ def test_the_plan_counts_the_replayed_answers_beside_the_captured_rows(tmp_path)
     both = planned_sequences(spec | {"replay": {"source": str(replay), "count": 1}}, target)
 
     assert alone.longest == 240 and alone.mean == 240
-    tokens = AutoTokenizer.from_pretrained(target).apply_chat_template(manual, tokenize=True)
-    tokens = tokens["input_ids"] if isinstance(tokens, dict) or hasattr(tokens, "keys") else tokens
+    tokens = _ids(AutoTokenizer.from_pretrained(target).apply_chat_template(manual, tokenize=True))
     assert both.longest == len(tokens) > 2000  # the unanswered one is not computed
     assert both.mean == (4 * 240 + len(tokens)) / 5
 

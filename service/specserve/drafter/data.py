@@ -197,7 +197,8 @@ def conversation_lengths(conversations: Path, model_dir: str) -> list[int]:
 
 def _chat_token_ids(model_dir: str) -> Callable[[dict], tuple[list[int], int]]:
     """-> a row's whole conversation in the target's chat template, and where its answer
-    starts (the tokenizer loaded at the first call: only when a shard is missing)."""
+    starts. The tokenizer loads at the first call: `capture_features` makes none when every
+    shard is already there."""
     tokenizer = None
 
     def token_ids(row: dict) -> tuple[list[int], int]:
@@ -341,7 +342,8 @@ def features_batched(
                 "answer_start": sequences[i][1],
             }
         del output, hidden, aux, final
-        give_back_freed()  # what the forward freed, before the next one's shapes (memory.py)
+        if device.type == "cpu":  # a GPU forward's blocks are the device's, not glibc's
+            give_back_freed()  # what the forward freed, before the next one's shapes (memory.py)
     return results
 
 

@@ -112,6 +112,23 @@ def test_capture_is_the_routers_and_never_reaches_the_engine():
     assert "capture" not in str(build_llm_config(arm, captured.model).model_dump())
 
 
+@pytest.mark.parametrize(
+    ("source", "node_step"),
+    [("/models/m", False), ("HuggingFaceTB/SmolLM2-135M-Instruct", False), ("s3://b/m", True)],
+)
+def test_an_engine_skips_ray_serve_llms_node_step_unless_its_model_is_in_a_bucket(
+    source, node_step
+):
+    """The per-node step copies a bucket's files; without one it only costs a process start."""
+    import asyncio
+
+    config = parse_config(BASE.replace("/models/m", source))
+    llm_config = build_llm_config(config.arm("no-spec"), config.model)
+    callback = llm_config.callback_config.callback_class(llm_config=llm_config)
+    asyncio.run(callback.run_callback("on_before_node_init"))
+    assert callback.ctx.run_init_node is node_step
+
+
 def test_llm_config_carries_speculation_and_per_request_stats():
     config = parse_config(BASE)
     ngram = build_llm_config(config.arm("ngram"), config.model)

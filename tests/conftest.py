@@ -345,6 +345,15 @@ def metrics_port(lines: list[str]) -> Iterator[http.server.ThreadingHTTPServer]:
         server.shutdown()
 
 
+def until_scraped(prometheus, query: str, *, present: bool = True, timeout_s: float = 30) -> None:
+    """Wait until `query` (through specserve's ab.prometheus.Prometheus) returns a series now,
+    or with `present=False` none: what a metrics port now says has reached Prometheus."""
+    deadline = time.monotonic() + timeout_s
+    while bool(prometheus.vector(query, time.time())) != present:
+        assert time.monotonic() < deadline, f"{query} never {'present' if present else 'gone'}"
+        time.sleep(0.5)
+
+
 @contextmanager
 def prometheus_server(root: Path, target: str, rule_files: tuple[Path, ...] = ()) -> Iterator[str]:
     """Debian's Prometheus server scraping `target` (host:port) every second, with `rule_files`

@@ -39,6 +39,8 @@ SAMPLE_CHAT = [
 def main() -> None:
     from vllm import LLM, SamplingParams
 
+    from specserve.drafter.data import shutdown
+
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
     parser.add_argument("out")
@@ -78,7 +80,7 @@ def main() -> None:
             sample = SamplingParams(temperature=1.0, max_tokens=args.sample_tokens, ignore_eos=True)
             outputs = llm.chat([SAMPLE_CHAT] * args.sample, sample, use_tqdm=False)
             result[name + "_samples"] = [list(o.outputs[0].token_ids) for o in outputs]
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
         del llm
         gc.collect()  # the engine's KV cache goes before the next one is allocated
     with open(args.out, "w") as f:

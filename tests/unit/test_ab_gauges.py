@@ -19,7 +19,7 @@ from specserve.metrics import (
     EXPORT_PREFIX,
     REVISION,
 )
-from tests.conftest import metrics_port, prometheus_server
+from tests.conftest import metrics_port, prometheus_server, until_scraped
 
 MODEL = "m"
 
@@ -44,11 +44,7 @@ def test_gauges_missing_from_a_few_scrapes_still_give_the_model_revision_weights
         prometheus = Prometheus(url)
 
         def scraped(revision: str) -> None:
-            deadline = time.monotonic() + 30
-            query = f'{EXPORT_PREFIX}{CONFIG_INFO}{{{REVISION}="{revision}"}}'
-            while not prometheus.vector(query, time.time()):
-                assert time.monotonic() < deadline, f"revision {revision} never scraped"
-                time.sleep(0.5)
+            until_scraped(prometheus, f'{EXPORT_PREFIX}{CONFIG_INFO}{{{REVISION}="{revision}"}}')
 
         scraped("r1")
         first = time.time()
@@ -57,10 +53,7 @@ def test_gauges_missing_from_a_few_scrapes_still_give_the_model_revision_weights
         scraped("r2")
         time.sleep(2)
         port.lines = []  # the exporter drops every gauge: the gap
-        deadline = time.monotonic() + 30
-        while prometheus.vector(f"{EXPORT_PREFIX}{CONFIG_INFO}", time.time()):
-            assert time.monotonic() < deadline, "the gap never reached Prometheus"
-            time.sleep(0.5)
+        until_scraped(prometheus, f"{EXPORT_PREFIX}{CONFIG_INFO}", present=False)
 
         now = time.time()  # in the gap: no gauge at this instant
         model = prometheus.model()
@@ -94,18 +87,11 @@ def test_a_counter_missing_from_the_scrapes_when_the_experiment_begins_counts_fr
         prometheus_server(tmp_path, port.target) as url,
     ):
         prometheus = Prometheus(url)
-
-        def until(query: str, present: bool) -> None:
-            deadline = time.monotonic() + 30
-            while bool(prometheus.vector(query, time.time())) != present:
-                assert time.monotonic() < deadline, f"{query} never {present}"
-                time.sleep(0.5)
-
-        until(f"{series} == 10", True)
+        until_scraped(prometheus, f"{series} == 10")
         port.lines = []  # the gap
-        until(series, False)
+        until_scraped(prometheus, series, present=False)
         since = time.time()  # the experiment begins in the gap
         port.lines = [f"{series} 13"]
-        until(f"{series} == 13", True)
+        until_scraped(prometheus, f"{series} == 13")
         grown = prometheus.counts(series, (ARM,), since, time.time())
     assert grown == {("a",): 3}

@@ -398,7 +398,7 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
     Prometheus refused would read as "no report yet" and the guardrail would never fire.)"""
     from specserve.ab.prometheus import Prometheus
     from specserve.metrics import ENDPOINT, EXPORT_PREFIX, OUTCOME, REQUESTS
-    from tests.conftest import metrics_port, prometheus_server
+    from tests.conftest import metrics_port, prometheus_server, until_scraped
 
     def counters(ok: int, failed: int, elsewhere: int) -> list[str]:
         name = f"{EXPORT_PREFIX}{REQUESTS}_total"
@@ -422,10 +422,7 @@ def test_the_error_guardrail_reads_the_challengers_5xx_share_from_a_real_prometh
 
         def scraped(total: float) -> None:
             """Wait until Prometheus's last scrape of arm c's counters adds to `total`."""
-            deadline = time.monotonic() + 30
-            while not prometheus.vector(f'sum({name}{{arm="c"}}) == {total}', time.time()):
-                assert time.monotonic() < deadline, f"no scrape of {total} requests"
-                time.sleep(0.5)
+            until_scraped(prometheus, f'sum({name}{{arm="c"}}) == {total}')
 
         scraped(5)  # the counters before the experiment's requests
         since = time.time()
@@ -452,7 +449,7 @@ def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment
         SELECTED_BY_WEIGHT,
         STAT,
     )
-    from tests.conftest import metrics_port, prometheus_server
+    from tests.conftest import metrics_port, prometheus_server, until_scraped
 
     selections = f"{EXPORT_PREFIX}{ARM_SELECTIONS}_total"
     count, total = (
@@ -473,17 +470,10 @@ def test_the_reports_totals_count_every_request_of_an_arm_born_in_the_experiment
         prometheus_server(tmp_path, port.target) as url,
     ):
         prometheus = Prometheus(url)
-
-        def scraped(query: str) -> None:
-            deadline = time.monotonic() + 30
-            while not prometheus.vector(query, time.time()):
-                assert time.monotonic() < deadline, f"no scrape where {query}"
-                time.sleep(0.5)
-
-        scraped(f'{selections}{{arm="incumbent"}} == 10')
+        until_scraped(prometheus, f'{selections}{{arm="incumbent"}} == 10')
         since = time.time()
         port.lines = counters({"incumbent": 25, "challenger": 7})
-        scraped(f'{selections}{{arm="challenger"}} == 7')
+        until_scraped(prometheus, f'{selections}{{arm="challenger"}} == 7')
         totals = prometheus.totals("m", since, time.time())
     assert totals["incumbent"].randomized == 15 and totals["challenger"].randomized == 7
     speed = totals["challenger"].stats[REQUEST_OUTPUT_SPEED]

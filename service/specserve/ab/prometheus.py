@@ -263,7 +263,7 @@ class Prometheus:
 
     def errors(self, arm: str, since: float, at: float) -> tuple[float, float]:
         """(requests that failed on the platform's side, all requests) of `arm` in (since, at]:
-        the increase of its request counter by outcome."""
+        what its request counter grew by, by outcome (`counts`)."""
         of_arm = f'{_name(REQUESTS)}_total{{{ARM}="{arm}"'
         failed = self.counts(f'{of_arm},{OUTCOME}="{OUTCOME_SERVER_ERROR}"}}', (), since, at)
         answered = self.counts(of_arm + "}", (), since, at)

@@ -11,6 +11,7 @@ scheduling, images, persistent volumes or cluster DNS.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -51,66 +52,89 @@ class RenderedCluster:
 
     def up(self) -> None:
         rayservice = self.rendered.rayservice
-        cluster = rayservice["metadata"]["name"]
-        auth = (rayservice["spec"]["rayClusterConfig"].get("authOptions") or {}).get(
-            "mode"
-        ) == "token"
+        self.cluster_name = rayservice["metadata"]["name"]
+        cluster_spec = rayservice["spec"]["rayClusterConfig"]
+        self.auth = (cluster_spec.get("authOptions") or {}).get("mode") == "token"
+        self.exclude_head = bool(rayservice["spec"].get("excludeHeadPodFromServeSvc"))
         plans = kuberay.pod_plans(self.rendered)
         endpoints = {p.name: self.network.add(p.name, kuberay.NAMESPACE, p.labels) for p in plans}
         for name, namespace in CLIENTS.items():
             self.clients[name] = self.network.add(name, namespace, {"app": name})
-        head_ip = endpoints[plans[0].name].ip
-        policy = self.rendered.network_policy
-        everyone = list(self.network.endpoints.values())
-        for plan in plans:
-            if netpol.matches(policy["spec"]["podSelector"], plan.labels):
-                named = {p["name"]: p["containerPort"] for p in plan.container.get("ports", [])}
-                self.rulesets[plan.name] = netpol.enforce(
-                    policy, endpoints[plan.name], everyone, named
-                )
-        security = self.rendered.rayservice["spec"]["rayClusterConfig"]["headGroupSpec"][
-            "template"
-        ]["spec"].get("securityContext", {})
-        secrets = {n: self.rendered.secret_data(n) for n in self._volume_refs(plans, "secret")}
-        config_maps = {
+        self.head_ip = endpoints[plans[0].name].ip
+        self.policy = self.rendered.network_policy
+        self.security = cluster_spec["headGroupSpec"]["template"]["spec"].get("securityContext", {})
+        self.secrets = {n: self.rendered.secret_data(n) for n in self._volume_refs(plans, "secret")}
+        self.config_maps = {
             n: self.rendered.config_map_data(n) for n in self._volume_refs(plans, "configMap")
         }
-        base_env = image_env(self.model_cache)
         for plan in plans:
-            env = dict(base_env)
-            env |= self._container_env(plan, secrets, endpoints[plan.name].ip)
-            for key, value in kuberay.kuberay_env(
-                plan, cluster=cluster, head_ip=head_ip, auth=auth
-            ).items():
-                env.setdefault(key, value)
-            if auth:
-                env.setdefault("RAY_AUTH_TOKEN", self.token)
-            self.pods[plan.name] = Pod(
-                plan,
-                endpoints[plan.name],
-                self.root,
-                env=env,
-                config_maps=config_maps,
-                secrets=secrets,
-                security=security,
-                model_cache=self.model_cache,
-            )
+            self.pods[plan.name] = self._pod(plan, endpoints[plan.name])
+        self.enforce_policy()
         head, *workers = self.pods.values()
-        head.start(head.plan.ray_start(head_ip))
-        self.wait_probe(head, head.plan.readiness_commands(), "readiness")
+        self._start(head)
+        self.wait_until(lambda: head.prober.ready, f"{head.plan.name} Ready", START_TIMEOUT_S)
         for pod in workers:
-            pod.start(pod.plan.ray_start(head_ip))
-        for pod in self.pods.values():
-            startup = (pod.plan.container.get("startupProbe") or {}).get("exec")
-            if startup:
-                self.wait_probe(pod, [startup["command"]], "startup")
+            self._start(pod)
+        for pod in workers:
+            self.wait_until(lambda p=pod: p.prober.started, f"{pod.plan.name} started")
         self.operator = kuberay.Operator(
-            self.clients["operator"], head_ip, self.token if auth else None
+            self.clients["operator"], self.head_ip, self.token if self.auth else None
         )
         self.serve_config_now = self.rendered.serve_config
         self.operator.submit(self.serve_config_now)
         self.operator.wait_running(self.app_names(), timeout_s=DEPLOY_TIMEOUT_S)
-        self.first_revision = self.request(head, stream=False)["revision"]
+        self.wait_until(self.serving_pods, "a pod in the API Service", 60)
+        self.first_revision = self.request(self.serving_pods()[0], stream=False)["revision"]
+
+    def _pod(self, plan: kuberay.PodPlan, endpoint: Endpoint) -> Pod:
+        """A pod as kubelet sets it up: its env (rendered, KubeRay's, the image's), volumes and
+        user."""
+        env = image_env(self.model_cache)
+        env |= self._container_env(plan, self.secrets, endpoint.ip)
+        added = kuberay.kuberay_env(
+            plan, cluster=self.cluster_name, head_ip=self.head_ip, auth=self.auth
+        )
+        for key, value in added.items():
+            env.setdefault(key, value)
+        if self.auth:
+            env.setdefault("RAY_AUTH_TOKEN", self.token)
+        return Pod(
+            plan,
+            endpoint,
+            self.root,
+            env=env,
+            config_maps=self.config_maps,
+            secrets=self.secrets,
+            security=self.security,
+            model_cache=self.model_cache,
+        )
+
+    def _start(self, pod: Pod) -> None:
+        pod.start(pod.plan.ray_start(self.head_ip))
+        pod.start_probing()
+
+    def enforce_policy(self) -> None:
+        """The NetworkPolicy's rules in every pod it selects, for the pods that exist now."""
+        everyone = list(self.network.endpoints.values())
+        for pod in self.pods.values():
+            if netpol.matches(self.policy["spec"]["podSelector"], pod.plan.labels):
+                ports = pod.plan.container.get("ports", [])
+                named = {p["name"]: p["containerPort"] for p in ports}
+                self.rulesets[pod.plan.name] = netpol.enforce(
+                    self.policy, pod.endpoint, everyone, named, self.network.gateway
+                )
+
+    def wait_until(self, condition, what: str, timeout_s: float = START_TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
+        while not (found := condition()):
+            failed = [p for p in self.pods.values() if p.process and p.process.poll() is not None]
+            if failed:
+                raise AssertionError(
+                    f"{failed[0].plan.name} exited: {failed[0].log.read_text()[-3000:]}"
+                )
+            assert time.monotonic() < deadline, f"not {what} within {timeout_s:.0f} s"
+            time.sleep(1)
+        return found
 
     # -- what KubeRay and kubelet do later ----------------------------------------------------
 
@@ -145,28 +169,29 @@ class RenderedCluster:
         """A worker pod that runs an arm's engine replica."""
         return next(p for p in self.pods.values() if not p.plan.head and self.apps_on(p))
 
-    def recreate(self, pod: Pod) -> Pod:
-        """KubeRay's replacement of a deleted worker pod (same group, same address here)."""
-        head_ip = next(iter(self.pods.values())).endpoint.ip
-        fresh = Pod(
-            pod.plan,
-            pod.endpoint,
-            self.root / f"{pod.plan.name}-again",
-            env=pod.env,
-            config_maps=pod.config_maps,
-            secrets=pod.secrets,
-            security=pod.security,
-            model_cache=self.model_cache,
-        )
-        fresh.start(pod.plan.ray_start(head_ip))
-        self.pods[pod.plan.name] = fresh
-        self.terminating.discard(pod.plan.name)
-        startup = (pod.plan.container.get("startupProbe") or {}).get("exec")
-        self.wait_probe(
-            fresh, [startup["command"]] if startup else pod.plan.liveness_commands(), "startup"
-        )
-        # Not Ready until Ray Serve runs a proxy there (a replica lands on it): KubeRay's
-        # readiness probe of a RayService worker checks the proxy.
+    def delete(self, pod: Pod) -> dict[str, float]:
+        """A pod deleted as on a cluster: out of the Service's endpoints first, then kubelet's
+        deletion (preStop, SIGTERM, the grace period), then its sandbox and address go and the
+        NetworkPolicy's rules forget it. Returns how long each part took."""
+        self.terminating.add(pod.plan.name)
+        took = pod.delete()
+        del self.pods[pod.plan.name]
+        self.network.remove(pod.plan.name)
+        self.rulesets.pop(pod.plan.name, None)
+        self.enforce_policy()
+        return took
+
+    def recreate(self, group: str) -> Pod:
+        """KubeRay's replacement of a deleted worker pod: the group's template, a new name and a
+        new address; Started once its startup probe passes. It is Ready (an endpoint of the
+        API Service) only once Ray Serve runs a proxy there, when a replica lands on it."""
+        template = next(p.plan for p in self.pods.values() if p.plan.group == group)
+        plan = dataclasses.replace(template, name=kuberay.pod_name(self.cluster_name, group))
+        endpoint = self.network.add(plan.name, kuberay.NAMESPACE, plan.labels)
+        fresh = self.pods[plan.name] = self._pod(plan, endpoint)
+        self.enforce_policy()
+        self._start(fresh)
+        self.wait_until(lambda: fresh.prober.started, f"{plan.name} started")
         return fresh
 
     def arm_names(self) -> set[str]:
@@ -198,24 +223,11 @@ class RenderedCluster:
     def head(self) -> Pod:
         return next(p for p in self.pods.values() if p.plan.head)
 
+    def workers(self) -> list[Pod]:
+        return [p for p in self.pods.values() if not p.plan.head]
+
     def app_names(self) -> set[str]:
         return {app["name"] for app in self.rendered.serve_config["applications"]}
-
-    def wait_probe(
-        self, pod: Pod, commands: list[list[str]], kind: str, timeout_s: float = START_TIMEOUT_S
-    ) -> None:
-        deadline = time.monotonic() + timeout_s
-        why = ""
-        while time.monotonic() < deadline:
-            ok, why = pod.probe(commands)
-            if ok:
-                return
-            if pod.process is not None and pod.process.poll() is not None:
-                raise AssertionError(f"{pod.plan.name} exited: {pod.log.read_text()[-3000:]}")
-            time.sleep(2)
-        raise AssertionError(
-            f"{pod.plan.name}: {kind} probe failing after {timeout_s:.0f} s: {why}"
-        )
 
     # -- clients ---------------------------------------------------------------------------
 
@@ -224,21 +236,28 @@ class RenderedCluster:
 
     def serving_pods(self) -> list[Pod]:
         """The API Service's endpoints: pods not being deleted whose readiness probe passes (a
-        worker's checks its Serve proxy, which runs only on nodes with replicas). KubeRay
-        decides the head's by its own check of the same proxy."""
-        return [
-            p
-            for n, p in self.pods.items()
-            if n not in self.terminating and p.probe(self.serve_readiness(p))[0]
-        ]
+        worker's checks its Serve proxy, which runs only on nodes with replicas). The head
+        only when the RayService does not exclude it; KubeRay then decides by its own check of
+        the head's proxy."""
+        serving = []
+        for name, pod in self.pods.items():
+            if name in self.terminating or pod.prober is None or not pod.prober.ready:
+                continue
+            if pod.plan.head:
+                if self.exclude_head:
+                    continue
+                proxy = f"http://localhost:{pod.plan.serve_port}/-/healthz"
+                if pod.exec(["wget", "-T", "10", "-q", "-O-", proxy]).returncode != 0:
+                    continue
+            serving.append(pod)
+        return serving
 
-    @staticmethod
-    def serve_readiness(pod: Pod) -> list[list[str]]:
-        if pod.plan.head:
-            return [
-                ["bash", "-c", f"wget -T 10 -q -O- http://localhost:{kuberay.SERVE_PORT}/-/healthz"]
-            ]
-        return pod.plan.readiness_commands()
+    def restarts(self) -> dict[str, list[str]]:
+        """Containers kubelet would have restarted: liveness or startup failures past their
+        thresholds."""
+        return {
+            n: p.prober.restarts for n, p in self.pods.items() if p.prober and p.prober.restarts
+        }
 
     def api_key(self, *, admin: bool = False) -> str:
         """The chart's API key, or its admin key (which is told the arm that answered), from the

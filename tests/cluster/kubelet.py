@@ -25,13 +25,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from tests.cluster.kuberay import PodPlan, quantity_bytes
+from tests.cluster.kuberay import PodPlan, Probe, quantity_bytes
 from tests.cluster.network import Endpoint
 from tests.deploy.conftest import ROOT
 from tests.deploy.dockerfile import Dockerfile
@@ -102,6 +103,7 @@ class Pod:
         self.mounts: list[str] = []  # shell lines run in the pod's mount namespace
         self._lay_out_volumes(config_maps, secrets)
         self.process: subprocess.Popen | None = None
+        self.prober: Prober | None = None
         self.log = self.dir / "container.log"
 
     # -- volumes -----------------------------------------------------------------------------
@@ -203,17 +205,53 @@ class Pod:
         )
 
     def exec(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-        """What `kubectl exec` and kubelet's exec probes run."""
-        return subprocess.run(
-            self.in_pod(shlex.join(argv)), capture_output=True, text=True, timeout=timeout
-        )
+        """What `kubectl exec`, exec probes and hooks run: the command in the running container's
+        namespaces (the runtime enters them; nothing is mounted again), as its user, with its
+        env. Raises subprocess.TimeoutExpired past `timeout`."""
+        pid = self.container_pid()
+        if pid is None:  # not running: a fresh pod view of its volumes
+            argv_in = self.in_pod(shlex.join(argv))
+        else:
+            env = [f"{k}={v}" for k, v in self.env.items()]
+            argv_in = [
+                "nsenter", f"--target={pid}", "--net", "--mount",
+                "setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
+                "env", "-i", *env, *argv,
+            ]  # fmt: skip
+        return subprocess.run(argv_in, capture_output=True, text=True, timeout=timeout)
 
-    def probe(self, commands: list[list[str]]) -> tuple[bool, str]:
-        for command in commands:
-            done = self.exec(command, timeout=15)
-            if done.returncode != 0:
-                return False, f"{shlex.join(command)}: exit {done.returncode} {done.stderr[-300:]}"
+    def container_pid(self) -> int | None:
+        """The container's main process (the `ip netns exec` we started execs into it)."""
+        if self.process is None or self.process.poll() is not None:
+            return None
+        return self.process.pid
+
+    def check(self, probe: Probe) -> tuple[bool, str]:
+        """One run of a probe as kubelet makes it: an HTTP GET from the node to the pod's
+        address (2xx/3xx passes), or a command in the container (exit 0 passes); either within
+        the probe's timeout."""
+        if probe.command is None:
+            url = f"http://{self.endpoint.ip}:{probe.http_port}{probe.http_path}"
+            argv = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                    "-m", str(probe.timeout_s), url]  # fmt: skip
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=probe.timeout_s + 5)
+            code = int(done.stdout or 0)
+            return 200 <= code < 400, f"GET {url}: {code or 'no answer'}"
+        try:
+            done = self.exec(probe.command, timeout=probe.timeout_s)
+        except subprocess.TimeoutExpired:
+            return False, f"{shlex.join(probe.command)}: timed out after {probe.timeout_s} s"
+        if done.returncode != 0:
+            return (
+                False,
+                f"{shlex.join(probe.command)}: exit {done.returncode} {done.stderr[-300:]}",
+            )
         return True, ""
+
+    def start_probing(self) -> None:
+        """kubelet's probe workers for this pod (startup first, then liveness and readiness)."""
+        self.prober = Prober(self)
+        self.prober.start()
 
     def processes(self) -> list[psutil.Process]:
         if self.process is None:
@@ -241,6 +279,8 @@ class Pod:
         how long each part took."""
         took: dict[str, float] = {}
         started = time.monotonic()
+        if self.prober is not None:
+            self.prober.stop()
         hook = (self.plan.container.get("lifecycle") or {}).get("preStop", {}).get("exec")
         if pre_stop and hook:
             done = self.exec(hook["command"], timeout=self.plan.grace_s)
@@ -259,7 +299,63 @@ class Pod:
         return took
 
     def kill(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
         for process in self.all_processes():
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(self.all_processes(), timeout=10)
+
+
+class Prober(threading.Thread):
+    """kubelet's probing of one pod, on the probes' own periods: until the startup probe passes
+    no other runs; readiness then sets `ready` (one pass makes it Ready, `failure_threshold`
+    failures in a row NotReady); liveness counts its failures in a row, and reaching its
+    threshold is recorded in `restarts` (kubelet would restart the container; the tests
+    assert it never does). Every NotReady turn is kept in `not_ready` for the tests to read."""
+
+    def __init__(self, pod: Pod) -> None:
+        super().__init__(name=f"prober-{pod.plan.name}", daemon=True)
+        self.pod = pod
+        self.probes = pod.plan.probes()
+        self.ready = False
+        self.started = "startup" not in self.probes
+        self.restarts: list[str] = []
+        self.not_ready: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._failures: dict[str, int] = {}
+        self._begun = time.monotonic()
+        self._due = {kind: self._begun + p.initial_delay_s for kind, p in self.probes.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for kind in ("startup", "liveness", "readiness"):
+                probe = self.probes.get(kind)
+                if probe is None or now < self._due[kind] or (kind != "startup") != self.started:
+                    continue
+                self._due[kind] = now + probe.period_s
+                try:
+                    ok, why = self.pod.check(probe)
+                except (subprocess.SubprocessError, OSError) as error:
+                    ok, why = False, repr(error)
+                self._record(kind, probe, ok, why)
+            self._stop.wait(0.5)
+
+    def _record(self, kind: str, probe: Probe, ok: bool, why: str) -> None:
+        failures = 0 if ok else self._failures.get(kind, 0) + 1
+        self._failures[kind] = failures
+        if kind == "startup" and ok:
+            self.started = True
+        elif kind == "readiness":
+            if ok:
+                self.ready = True
+            elif failures >= probe.failure_threshold and self.ready:
+                self.ready = False
+                self.not_ready.append((time.time(), why))
+        elif not ok and failures >= probe.failure_threshold:
+            self.restarts.append(f"{kind}: {why}")
+            self._failures[kind] = 0

@@ -6,9 +6,10 @@ builds it (ray-operator/controllers/ray/common/pod.go): the container's rendered
 variables KubeRay adds (the Ray token from its Secret, RAY_ADDRESS, the RayService timeouts,
 ...), the `ray start` command it generates from rayStartParams (`--block`, the metrics export
 and dashboard agent ports, `--memory` from the container's limit, `--address` for workers), and
-its default liveness and readiness probes for Ray >= 2.53 (the dashboard agent's `/api/healthz`;
-a RayService worker's readiness also checks the Serve proxy's `/-/healthz`). The head's
-Service name is replaced by the head pod's address (no cluster DNS here).
+its default liveness and readiness probes for Ray >= 2.53 with their timeouts and thresholds
+(`PodPlan.probes`), and names each pod as the API server does for KubeRay's `generateName` (a
+random suffix: a replaced pod has a new name, and a new address from the pod network). The
+head's Service name is replaced by the head pod's address (no cluster DNS here).
 
 It then does what the RayService controller does: PUT `serveConfigV2` (as JSON) to the Serve REST
 API on the head's dashboard port with the token (`x-ray-authorization: Bearer`), and read the
@@ -35,9 +36,13 @@ SERVE_PORT = 8000
 METRICS_PORT = 8080
 AGENT_PORT = 52365
 GCS_PORT = 6379
-# What the harness clusters run: two cheap arms, one engine per worker pod and a spare pod for
-# the replicas of a deleted one; requests end within a minute, so a drain fits in the grace.
-REQUEST_TIMEOUT_S = 120
+# The characters the API server draws a generated name's suffix from (apiserver's names.go).
+NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+# KubeRay's probe timeouts (utils/constant.go): the head's queries two checks.
+PROBE_TIMEOUT_S = 2.0
+HEAD_PROBE_TIMEOUT_S = 5.0
+# How long a load client may take to end its streams once told to stop.
+LOAD_STOP_S = 150
 # A redeployed arm: Ray Serve builds it again and starts its engine (about a minute, loaded).
 REDEPLOY_TIMEOUT_S = 300
 
@@ -85,34 +90,78 @@ class PodPlan:
         kind = "ray start --head" if self.head else "ray start"
         return f"ulimit -n 65536; {kind} {' '.join(flags)}"
 
-    def readiness_commands(self) -> list[list[str]]:
-        """KubeRay's default readiness probe (Ray >= 2.53), as commands run in the pod."""
-        healthz = ["wget", "--tries", "1", "-T", "2", "-q", "-O-"]
-        checks = [[*healthz, f"http://localhost:{AGENT_PORT}/api/healthz"]]
-        if not self.head:  # a RayService worker also serves traffic through its proxy
-            checks.append(
-                [
-                    "bash",
-                    "-c",
-                    f"wget --tries 1 -T 10 -q -O- http://localhost:{SERVE_PORT}/-/healthz"
-                    " | grep success",
-                ]
-            )
-        return checks
-
-    def liveness_commands(self) -> list[list[str]]:
-        return [
-            [
-                "wget",
-                "--tries",
-                "1",
-                "-T",
-                "2",
-                "-q",
-                "-O-",
-                f"http://localhost:{AGENT_PORT}/api/healthz",
+    def probes(self) -> dict[str, Probe]:
+        """The container's probes as kubelet runs them: those rendered, and where the chart sets
+        none, the liveness and readiness probes KubeRay v1.7 injects for Ray >= 2.53
+        (pod.go `initLivenessAndReadinessProbe`, utils/constant.go): an HTTP GET of the
+        dashboard agent's `/api/healthz` from the node, except a RayService worker's readiness,
+        an exec of the agent's raylet check and the Serve proxy's, which fails the pod at once."""
+        timeout = HEAD_PROBE_TIMEOUT_S if self.head else PROBE_TIMEOUT_S
+        healthz = {"http_port": AGENT_PORT, "http_path": "/api/healthz"}
+        probes = {
+            "liveness": Probe(
+                "liveness", **healthz, timeout_s=timeout, initial_delay_s=30,
+                failure_threshold=120,
+            ),
+            "readiness": Probe(
+                "readiness", **healthz, timeout_s=timeout, initial_delay_s=10,
+                failure_threshold=10,
+            ),
+        }  # fmt: skip
+        if not self.head:
+            checks = [
+                f"wget -T {int(PROBE_TIMEOUT_S)} -q -O- "
+                f"http://localhost:{AGENT_PORT}/api/local_raylet_healthz | grep success",
+                # KubeRay passes the readiness probe's initial delay (10) as this wget's timeout
+                f"wget -T 10 -q -O- http://localhost:{self.serve_port}/-/healthz | grep success",
             ]
-        ]
+            probes["readiness"] = Probe(
+                "readiness", command=["bash", "-c", " && ".join(checks)], timeout_s=timeout,
+                initial_delay_s=10, failure_threshold=1,
+            )  # fmt: skip
+        for kind in ("liveness", "readiness", "startup"):
+            rendered = self.container.get(f"{kind}Probe")
+            if rendered:
+                probes[kind] = Probe.rendered(kind, rendered)
+        return probes
+
+    @property
+    def serve_port(self) -> int:
+        ports = {p.get("name"): p["containerPort"] for p in self.container.get("ports", [])}
+        return int(ports.get("serve", SERVE_PORT))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe of a container: an HTTP GET kubelet makes from the node to the pod's address,
+    or a command run in the container; failing `failure_threshold` times in a row (every
+    `period_s`, each given `timeout_s`) makes the pod NotReady (readiness) or restarts the
+    container (liveness, startup)."""
+
+    kind: str
+    timeout_s: float
+    initial_delay_s: float
+    failure_threshold: int
+    period_s: float = 5
+    http_port: int | None = None
+    http_path: str = "/"
+    command: list[str] | None = None
+
+    @classmethod
+    def rendered(cls, kind: str, spec: dict[str, Any]) -> Probe:
+        """A probe as the pod spec writes it, with Kubernetes' defaults."""
+        common = {
+            "timeout_s": float(spec.get("timeoutSeconds", 1)),
+            "initial_delay_s": float(spec.get("initialDelaySeconds", 0)),
+            "failure_threshold": int(spec.get("failureThreshold", 3)),
+            "period_s": float(spec.get("periodSeconds", 10)),
+        }
+        if "exec" in spec:
+            return cls(kind, command=list(spec["exec"]["command"]), **common)
+        if "httpGet" in spec:
+            http = spec["httpGet"]
+            return cls(kind, http_port=int(http["port"]), http_path=http.get("path", "/"), **common)
+        raise NotImplementedError(f"{kind} probe {sorted(spec)} not played here")
 
 
 def quantity_bytes(text: str) -> int:
@@ -124,17 +173,19 @@ def quantity_bytes(text: str) -> int:
 
 
 def harness_values() -> dict[str, Any]:
-    """The CPU profile's values with the small override the harness runs: two arms, three worker
-    pods (two engines and a spare), a short request timeout."""
+    """The CPU profile's values with the one override the harness runs: two of its arms (the
+    cheap ones), and as many worker pods as the profile has per arm, its spare included. Its
+    request timeout, drain and probes are the profile's."""
     defaults = yaml.safe_load((generate.CHART / "values.yaml").read_text())
     arms = [a for a in defaults["config"]["arms"] if a["name"] in ("no-spec", "ngram")]
     for arm in arms:
         arm["weight"] = 50
     group = dict(defaults["workerGroups"][0])
-    group.update(replicas=3, minReplicas=3, maxReplicas=3)
+    spare = group["replicas"] - len(defaults["config"]["arms"])  # one engine per pod and arm
+    pods = len(arms) + spare
+    group.update(replicas=pods, minReplicas=pods, maxReplicas=pods)
     config = dict(defaults["config"])
     config["arms"] = arms
-    config["limits"] = {**config["limits"], "request_timeout_s": REQUEST_TIMEOUT_S}
     return {"config": config, "workerGroups": [group]}
 
 
@@ -189,8 +240,8 @@ def pod_plans(rendered: Rendered) -> list[PodPlan]:
     plans = []
     for group, replicas, group_spec in groups:
         template = group_spec["template"]
-        for index in range(replicas):
-            name = f"{cluster}-head" if group == "head" else f"{cluster}-{group}-{index}"
+        for _ in range(replicas):
+            name = pod_name(cluster, group)
             labels = {
                 **template["metadata"].get("labels", {}),
                 "ray.io/cluster": cluster,
@@ -210,6 +261,12 @@ def pod_plans(rendered: Rendered) -> list[PodPlan]:
                 )
             )
     return plans
+
+
+def pod_name(cluster: str, group: str) -> str:
+    """A new pod's name: KubeRay's generateName prefix and the API server's random suffix."""
+    prefix = f"{cluster}-head-" if group == "head" else f"{cluster}-{group}-worker-"
+    return prefix + "".join(secrets.choice(NAME_SUFFIX_ALPHABET) for _ in range(5))
 
 
 def kuberay_env(plan: PodPlan, *, cluster: str, head_ip: str, auth: bool) -> dict[str, str]:
@@ -272,6 +329,14 @@ class Operator:
         replica."""
         proxies = (self.details().get("proxies") or {}).values()
         return {p["node_ip"] for p in proxies if p.get("status") == "HEALTHY"}
+
+    def nodes(self) -> set[tuple[str, str]]:
+        """(address, state) of every Ray node the GCS knows (the state API)."""
+        status, text = self._curl("GET", "/api/v0/nodes?limit=100")
+        if status != 200:
+            return set()
+        rows = json.loads(text)["data"]["result"]["result"]
+        return {(row["node_ip"], row["state"]) for row in rows}
 
     def wait_running(self, names: set[str], *, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s

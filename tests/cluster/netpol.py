@@ -1,13 +1,15 @@
 """A rendered NetworkPolicy as nftables rules: what a NetworkPolicy-enforcing CNI does.
 
 For each pod the policy selects, its namespace gets a table whose input and output chains drop
-by default and accept: replies of accepted connections, loopback (a pod's own containers), and
-each ingress / egress rule as the Kubernetes API defines it. A rule's peers are resolved to the
-addresses of the endpoints they select: `podSelector` alone selects pods of the policy's
-namespace, `namespaceSelector` alone every endpoint of the matching namespaces (an empty one:
-every namespace), both together the matching pods in the matching namespaces, `ipBlock` its CIDR
-less `except`. A rule without peers allows every address, one without ports every port; a
-named port is looked up among the selected pods' container ports. Not covered: `endPort`,
+by default and accept: replies of accepted connections, loopback (a pod's own containers), the
+node's address (kubelet's probes: Kubernetes always allows a pod's node), and each ingress /
+egress rule as the Kubernetes API defines it. A rule's peers are resolved to the addresses of
+the endpoints they select: `podSelector` alone selects pods of the policy's namespace,
+`namespaceSelector` alone every endpoint of the matching namespaces (an empty one: every
+namespace), both together the matching pods in the matching namespaces, `ipBlock` its CIDR less
+`except`. The rules are loaded again whenever a pod comes or goes, as a CNI follows the pods'
+addresses. A rule without peers allows every address, one without ports every port; a named
+port is looked up among the selected pods' container ports. Not covered: `endPort`,
 `matchExpressions` (refused), SCTP.
 """
 
@@ -105,7 +107,9 @@ def rule_lines(
     return lines
 
 
-def ruleset(policy: dict[str, Any], endpoints: list[Endpoint], named_ports: dict[str, int]) -> str:
+def ruleset(
+    policy: dict[str, Any], endpoints: list[Endpoint], named_ports: dict[str, int], node: str
+) -> str:
     spec = policy["spec"]
     namespace = policy["metadata"].get("namespace", "")
     types = spec.get("policyTypes") or ["Ingress"]
@@ -119,17 +123,24 @@ def ruleset(policy: dict[str, Any], endpoints: list[Endpoint], named_ports: dict
         else:
             body, policy_line = [], "accept"
         own = "iif lo accept" if hook == "input" else "oif lo accept"
-        statements = ["ct state established,related accept", own, *body]
+        # Traffic between a pod and its node (kubelet's HTTP probes) is always allowed.
+        kubelet = f"ip saddr {node} accept" if hook == "input" else f"ip daddr {node} accept"
+        statements = ["ct state established,related accept", own, kubelet, *body]
         chains.append(
             f"  chain {hook} {{\n    type filter hook {hook} priority 0; policy {policy_line};\n"
             + "".join(f"    {s}\n" for s in statements)
             + "  }\n"
         )
-    return f"table inet {TABLE} {{\n{''.join(chains)}}}\n"
+    # Declared, deleted and declared again: loading it replaces the pod's rules in one go.
+    replace = f"table inet {TABLE}\ndelete table inet {TABLE}\n"
+    return f"{replace}table inet {TABLE} {{\n{''.join(chains)}}}\n"
 
 
-def enforce(policy: dict[str, Any], pod: Endpoint, endpoints: list[Endpoint], named_ports) -> str:
-    """Load the policy's rules into the pod's network namespace; the ruleset loaded."""
-    text = ruleset(policy, endpoints, named_ports)
+def enforce(
+    policy: dict[str, Any], pod: Endpoint, endpoints: list[Endpoint], named_ports, node: str
+) -> str:
+    """Load the policy's rules into the pod's network namespace (again when the pods it names
+    change: a CNI follows the pods' addresses); the ruleset loaded."""
+    text = ruleset(policy, endpoints, named_ports, node)
     sh("ip", "netns", "exec", pod.netns, "nft", "-f", "-", input=text)
     return text

@@ -62,6 +62,7 @@ class Endpoint:
 class Network:
     def __init__(self) -> None:
         self.endpoints: dict[str, Endpoint] = {}
+        self._links = 0  # veth pairs made, for their names
         self._hosts = TEST_NET.hosts()
         self.gateway = str(next(self._hosts))
         self.close()  # what an interrupted run left
@@ -71,8 +72,8 @@ class Network:
 
     def add(self, name: str, namespace: str, labels: dict[str, str]) -> Endpoint:
         endpoint = Endpoint(name, namespace, labels, str(next(self._hosts)))
-        index = len(self.endpoints)
-        host_side, ns = f"{PREFIX}v{index}", endpoint.netns
+        self._links += 1
+        host_side, ns = f"{PREFIX}v{self._links}", endpoint.netns
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", host_side, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "link", "set", host_side, "master", BRIDGE, "up")
@@ -83,6 +84,11 @@ class Network:
         sh(*in_ns, "ip", "route", "add", "default", "via", self.gateway)
         self.endpoints[name] = endpoint
         return endpoint
+
+    def remove(self, name: str) -> None:
+        """A deleted pod's sandbox: its namespace and veth pair go, its address is not reused."""
+        endpoint = self.endpoints.pop(name)
+        sh("ip", "netns", "delete", endpoint.netns, check=False)
 
     def close(self) -> None:
         """Remove every namespace and link this module makes (by PREFIX), whoever made them."""

@@ -450,3 +450,22 @@ def test_gcs_fault_tolerance_with_an_external_redis():
     options = one(objs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     assert options["redisAddress"] == "redis.llm.svc:6379"
     assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "p"}
+
+
+@pytest.mark.parametrize(
+    ("address", "port"),
+    [("redis.llm.svc:6380", 6380), ("rediss://redis.llm.svc:7000/0", 7000), ("redis", 6379)],
+)
+def test_the_network_policy_lets_the_head_reach_its_gcs_redis(address, port):
+    def redis_rules(objs):
+        policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+        ports = [(r, p) for r in policy["spec"]["egress"] for p in r.get("ports", [])]
+        return [r for r, p in ports if p["port"] not in (53,)]
+
+    assert not redis_rules(render_objects("cpu"))  # off: no way out but DNS and the release
+    peers = [{"podSelector": {"matchLabels": {"app": "redis"}}}]
+    ft = {"redisAddress": address, "redisTo": peers}
+    objs = render_objects("cpu", ray={"version": "2.60.0", "gcsFaultTolerance": ft})
+    validate_all(objs)
+    (rule,) = redis_rules(objs)
+    assert rule["ports"] == [{"port": port, "protocol": "TCP"}] and rule["to"] == peers

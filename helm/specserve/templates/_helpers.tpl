@@ -727,6 +727,12 @@ Records are named by their content, so creating and deleting them cannot be limi
 {{/* The RayService's `rayClusterConfig`. Args: root, image, fingerprint (true: the worker groups'
 replica counts left out, as KubeRay leaves them out when it decides whether a changed cluster spec
 needs a new cluster: it applies a changed count in place under every upgrade strategy). */}}
+{{/* The port of a Redis address (host:port, or redis:// / rediss:// URL); 6379 without one. */}}
+{{- define "specserve.redisPort" -}}
+{{- $port := regexFind ":[0-9]+$" (trimSuffix "/" (regexReplaceAll "/[0-9]*$" (trimPrefix "rediss://" (trimPrefix "redis://" .)) "")) -}}
+{{- if $port }}{{ trimPrefix ":" $port }}{{ else }}6379{{ end -}}
+{{- end }}
+
 {{- define "specserve.rayClusterConfig" -}}
 {{- $root := .root }}
 {{- $image := .image }}

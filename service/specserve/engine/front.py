@@ -28,6 +28,7 @@ from specserve import headers
 from specserve.capture.store import Bounds, CaptureWriter, Sampled
 from specserve.capture.tap import Tap, sampling_of
 from specserve.config.settings import get_settings
+from specserve.engine.serve_log import keep_serve_log_targets
 from specserve.metrics import CaptureMetrics
 from specserve.wire.arm_calls import serve_app
 from specserve.wire.errors import (
@@ -61,7 +62,8 @@ class ArmServer(LLMServer):
         self.model = llm_config.model_id
         self._capture_writer: CaptureWriter | None = None
         self._front: FastAPI | None = None  # built by Ray Serve's ingress, before any request
-        await super().__init__(llm_config)
+        with keep_serve_log_targets():  # the engine's start closes the replica's log handlers
+            await super().__init__(llm_config)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title=f"specserve arm {self.arm}", docs_url=None, openapi_url=None)

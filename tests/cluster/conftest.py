@@ -1,8 +1,9 @@
 """One rendered release run as a cluster for the tests of this directory (harness.py).
 
-It needs root (network and mount namespaces), nftables, curl and wget, and the prepared
-embedded model; CI has all of them. It starts its own Ray processes in their own namespaces, so it
-may run beside the integration tests' platform; they share the machine's two cores.
+It needs root (network and mount namespaces), nftables, curl and wget, Debian's redis-server
+(GCS fault tolerance's store) and the prepared embedded model; CI has all of them. It starts its
+own Ray processes in their own namespaces, so it may run beside the integration tests'
+platform; they share the machine's two cores.
 """
 
 from __future__ import annotations
@@ -17,22 +18,22 @@ from tests.cluster.harness import RenderedCluster
 from tests.conftest import unavailable
 
 
-def _missing() -> list[str]:
-    missing = [
+def missing() -> list[str]:
+    found = [
         tool
-        for tool in ("ip", "nft", "unshare", "setpriv", "curl", "wget")
+        for tool in ("ip", "nft", "unshare", "nsenter", "setpriv", "curl", "wget", "redis-server")
         if not shutil.which(tool)
     ]
     if os.geteuid() != 0:
-        missing.append("root")
-    return missing
+        found.append("root")
+    return found
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    missing = _missing()
-    if missing:
-        unavailable(f"the cluster harness needs {missing}")
+    needed = missing()
+    if needed:
+        unavailable(f"the cluster harness needs {needed}")
     models = get_settings().cache_dir
     running = RenderedCluster(tmp_path_factory.mktemp("pods"), models)
     try:

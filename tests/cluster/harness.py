@@ -2,11 +2,13 @@
 
 `RenderedCluster` renders the chart (kuberay.harness_values), makes the pod network
 (network.py) with one endpoint per Ray pod and one per client namespace the chart's values name
-(KubeRay's operator, the Ingress controller, Prometheus) plus an outsider, enforces the rendered
-NetworkPolicy (netpol.py), starts the head pod and then the workers as kubelet would
-(kubelet.py), waits for their probes, and submits `serveConfigV2` as KubeRay does (kuberay.py).
-It stands in for KubeRay, kubelet and a CNI that enforces NetworkPolicy; it cannot show
-scheduling, images, persistent volumes or cluster DNS.
+(KubeRay's operator, the Ingress controller, Prometheus) plus an outsider and the Redis of GCS
+fault tolerance, enforces the rendered NetworkPolicy (netpol.py), starts the head pod and then
+the workers as kubelet would (kubelet.py), waits for their probes, and submits `serveConfigV2`
+as KubeRay does (kuberay.py). Later it deletes pods and replaces them (new names, new
+addresses; a new head takes over the head Service's name). It stands in for KubeRay, kubelet,
+cluster DNS (a hosts file) and a CNI that enforces NetworkPolicy; it cannot show scheduling,
+images or persistent volumes.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+from specserve.config.serve_config import ROUTER_APP_NAME
 from tests.cluster import kuberay, netpol
 from tests.cluster.kubelet import Pod, image_env
-from tests.cluster.network import Endpoint, Network
+from tests.cluster.network import ClusterDNS, Endpoint, Network
 from tests.deploy.conftest import ROOT
 
 # The namespaces the chart's default networkPolicy values name, and an outsider's.
@@ -47,6 +51,8 @@ class RenderedCluster:
         self.model_cache = model_cache
         self.terminating: set[str] = set()
         self.rulesets: dict[str, str] = {}
+        self.dns = ClusterDNS(root / "hosts")
+        self.redis: subprocess.Popen | None = None
 
     # -- bring-up ----------------------------------------------------------------------------
 
@@ -56,11 +62,17 @@ class RenderedCluster:
         cluster_spec = rayservice["spec"]["rayClusterConfig"]
         self.auth = (cluster_spec.get("authOptions") or {}).get("mode") == "token"
         self.exclude_head = bool(rayservice["spec"].get("excludeHeadPodFromServeSvc"))
+        self.gcs_ft = cluster_spec.get("gcsFaultToleranceOptions")
+        self.storage = str(uuid.uuid4())  # the RayCluster's UID: GCS's namespace in Redis
         plans = kuberay.pod_plans(self.rendered)
+        self.templates = {p.group: p for p in plans}
         endpoints = {p.name: self.network.add(p.name, kuberay.NAMESPACE, p.labels) for p in plans}
         for name, namespace in CLIENTS.items():
             self.clients[name] = self.network.add(name, namespace, {"app": name})
         self.head_ip = endpoints[plans[0].name].ip
+        self.dns.set(kuberay.head_service_host(self.cluster_name), self.head_ip)
+        if self.gcs_ft:
+            self._start_redis()
         self.policy = self.rendered.network_policy
         self.security = cluster_spec["headGroupSpec"]["template"]["spec"].get("securityContext", {})
         self.secrets = {n: self.rendered.secret_data(n) for n in self._volume_refs(plans, "secret")}
@@ -92,7 +104,11 @@ class RenderedCluster:
         env = image_env(self.model_cache)
         env |= self._container_env(plan, self.secrets, endpoint.ip)
         added = kuberay.kuberay_env(
-            plan, cluster=self.cluster_name, head_ip=self.head_ip, auth=self.auth
+            plan,
+            cluster=self.cluster_name,
+            auth=self.auth,
+            gcs_ft=self.gcs_ft,
+            storage=self.storage,
         )
         for key, value in added.items():
             env.setdefault(key, value)
@@ -107,11 +123,26 @@ class RenderedCluster:
             secrets=self.secrets,
             security=self.security,
             model_cache=self.model_cache,
+            hosts=self.dns.path,
         )
 
     def _start(self, pod: Pod) -> None:
-        pod.start(pod.plan.ray_start(self.head_ip))
+        pod.start(pod.plan.ray_start(kuberay.head_service_host(self.cluster_name)))
         pod.start_probing()
+
+    def _start_redis(self) -> None:
+        """The external Redis of GCS fault tolerance: Debian's redis-server, a pod of the
+        release's namespace that the NetworkPolicy does not select, reached by its Service's
+        name."""
+        labels = dict(kuberay.REDIS_SELECTOR["matchLabels"])
+        redis = self.network.add("redis", kuberay.NAMESPACE, labels)
+        self.dns.set(kuberay.REDIS_HOST, redis.ip)
+        port = str(kuberay.REDIS_PORT)
+        argv = ["ip", "netns", "exec", redis.netns, "redis-server", "--port", port,
+                "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no",
+                "--dir", str(self.root)]  # fmt: skip
+        log = (self.root / "redis.log").open("ab")
+        self.redis = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def enforce_policy(self) -> None:
         """The NetworkPolicy's rules in every pod it selects, for the pods that exist now."""
@@ -127,10 +158,11 @@ class RenderedCluster:
     def wait_until(self, condition, what: str, timeout_s: float = START_TIMEOUT_S):
         deadline = time.monotonic() + timeout_s
         while not (found := condition()):
-            failed = [p for p in self.pods.values() if p.process and p.process.poll() is not None]
-            if failed:
+            crashing = [p for p in self.pods.values() if p.prober and len(p.prober.exits) >= 3]
+            if crashing:  # kubelet's CrashLoopBackOff
+                pod = crashing[0]
                 raise AssertionError(
-                    f"{failed[0].plan.name} exited: {failed[0].log.read_text()[-3000:]}"
+                    f"{pod.plan.name} keeps exiting: {pod.log.read_text()[-3000:]}"
                 )
             assert time.monotonic() < deadline, f"not {what} within {timeout_s:.0f} s"
             time.sleep(1)
@@ -159,7 +191,7 @@ class RenderedCluster:
         return {
             name
             for name, app in self.operator.applications().items()
-            if name != "specserve"
+            if name != ROUTER_APP_NAME
             for d in app["deployments"].values()
             for r in d["replicas"]
             if r.get("node_ip") == pod.endpoint.ip and r["state"] == "RUNNING"
@@ -182,12 +214,17 @@ class RenderedCluster:
         return took
 
     def recreate(self, group: str) -> Pod:
-        """KubeRay's replacement of a deleted worker pod: the group's template, a new name and a
-        new address; Started once its startup probe passes. It is Ready (an endpoint of the
-        API Service) only once Ray Serve runs a proxy there, when a replica lands on it."""
-        template = next(p.plan for p in self.pods.values() if p.plan.group == group)
+        """KubeRay's replacement of a deleted pod: the group's template, a new name and a new
+        address; Started once its startup probe passes. A worker is Ready (an endpoint of the
+        API Service) only once Ray Serve runs a proxy there, when a replica lands on it. A new
+        head takes over the head Service's name (cluster DNS) and the operator's calls."""
+        template = self.templates[group]
         plan = dataclasses.replace(template, name=kuberay.pod_name(self.cluster_name, group))
         endpoint = self.network.add(plan.name, kuberay.NAMESPACE, plan.labels)
+        if plan.head:
+            self.head_ip = endpoint.ip
+            self.dns.set(kuberay.head_service_host(self.cluster_name), endpoint.ip)
+            self.operator.follow(endpoint.ip)
         fresh = self.pods[plan.name] = self._pod(plan, endpoint)
         self.enforce_policy()
         self._start(fresh)
@@ -223,6 +260,10 @@ class RenderedCluster:
     def head(self) -> Pod:
         return next(p for p in self.pods.values() if p.plan.head)
 
+    def exits(self) -> dict[str, int]:
+        """Containers that exited and were started again (kubectl's RESTARTS), by pod."""
+        return {n: len(p.prober.exits) for n, p in self.pods.items() if p.prober and p.prober.exits}
+
     def workers(self) -> list[Pod]:
         return [p for p in self.pods.values() if not p.plan.head]
 
@@ -253,8 +294,8 @@ class RenderedCluster:
         return serving
 
     def restarts(self) -> dict[str, list[str]]:
-        """Containers kubelet would have restarted: liveness or startup failures past their
-        thresholds."""
+        """Containers kubelet would have restarted for their probes: liveness or startup
+        failures past their thresholds."""
         return {
             n: p.prober.restarts for n, p in self.pods.items() if p.prober and p.prober.restarts
         }
@@ -334,6 +375,9 @@ class RenderedCluster:
     def close(self) -> None:
         for pod in self.pods.values():
             pod.kill()
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait(timeout=10)
         self.network.close()
 
     def describe(self) -> str:

@@ -12,8 +12,9 @@ the image's path). Probes and the preStop hook run inside the pod's namespaces, 
 exec probes and hooks do. Deleting a pod runs its preStop, sends SIGTERM, waits out
 `terminationGracePeriodSeconds`, then kills what is left.
 
-Not shown here: the image itself (its file system, the read-only root, the login shell's PATH),
-scheduling and resource limits (cgroups), persistent volumes, cluster DNS.
+Cluster DNS is the hosts file every pod mounts (network.ClusterDNS). Not shown here: the image
+itself (its file system, the read-only root, the login shell's PATH), scheduling and resource
+limits (cgroups), persistent volumes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,27 @@ def write_atomic_volume(directory: Path, files: dict[str, str], uid: int, gid: i
         subprocess.run(["rm", "-rf", str(old)], check=False)
 
 
+@dataclass
+class Claim:
+    """A PersistentVolumeClaim's volume, played by a local directory. `ownership`: whether its
+    volume type lets kubelet apply the pod's fsGroup (block storage does; NFS-style file
+    storage does not, and keeps its server's owner and mode)."""
+
+    path: Path
+    ownership: bool = False
+
+    def apply_fs_group(self, gid: int) -> None:
+        """kubelet's fsGroup with `fsGroupChangePolicy: OnRootMismatch`: when the volume's root
+        is not the group's already, every file is given the group, group read-write, and each
+        directory the setgid bit."""
+        if self.path.stat().st_gid == gid:
+            return
+        for path in [self.path, *self.path.rglob("*")]:
+            os.chown(path, -1, gid)
+            mode = path.stat().st_mode | 0o060
+            os.chmod(path, mode | (0o2010 if path.is_dir() else 0))
+
+
 class Pod:
     def __init__(
         self,
@@ -92,16 +115,21 @@ class Pod:
         secrets: dict[str, dict[str, str]],
         security: dict[str, Any],
         model_cache: Path,
+        hosts: Path,
+        claims: dict[str, Claim] | None = None,
     ) -> None:
         self.plan, self.endpoint, self.env = plan, endpoint, env
+        self.hosts = hosts
         self.config_maps, self.secrets, self.security = config_maps, secrets, security
         self.dir = root / plan.name
         self.uid = int(security.get("runAsUser", 0))
         self.gid = int(security.get("runAsGroup", self.uid))
         self.model_cache = model_cache
+        self.fs_group = security.get("fsGroup")
+        self.claims = claims or {}
         self.volume_dirs: dict[str, Path] = {}
-        self.mounts: list[str] = []  # shell lines run in the pod's mount namespace
         self._lay_out_volumes(config_maps, secrets)
+        self.mounts = self._mount_lines(plan.container)  # the Ray container's
         self.process: subprocess.Popen | None = None
         self.prober: Prober | None = None
         self.log = self.dir / "container.log"
@@ -109,44 +137,64 @@ class Pod:
     # -- volumes -----------------------------------------------------------------------------
 
     def _lay_out_volumes(self, config_maps, secrets) -> None:
-        volumes = {v["name"]: v for v in self.plan.volumes}
-        mounts = sorted(self.plan.container.get("volumeMounts", []), key=lambda m: m["mountPath"])
-        for mount in mounts:
-            volume = volumes[mount["name"]]
-            path, target = self.dir / "volumes" / volume["name"], mount["mountPath"]
+        """Each of the pod's volumes made once, as kubelet makes it before any container
+        starts: emptyDirs, ConfigMaps and Secrets as directories of this pod, a claim as its
+        directory (with the pod's fsGroup applied where its volume type lets kubelet)."""
+        for volume in self.plan.volumes:
+            name, path = volume["name"], self.dir / "volumes" / volume["name"]
             if "emptyDir" in volume and volume["emptyDir"].get("medium") == "Memory":
-                size = volume["emptyDir"].get("sizeLimit")
-                option = f"-o size={quantity_bytes(size)}" if size else ""
-                self.mounts.append(f"mount -t tmpfs {option} tmpfs {shlex.quote(target)}")
-                self.mounts.append(f"chown {self.uid}:{self.gid} {shlex.quote(target)}")
-                continue
+                continue  # a tmpfs, mounted in each container's namespace
             if "emptyDir" in volume:
                 path.mkdir(parents=True, exist_ok=True)
                 os.chown(path, self.uid, self.gid)
             elif "configMap" in volume:
-                data = config_maps[volume["configMap"]["name"]]
-                write_atomic_volume(path, data, self.uid, self.gid)
-            elif "secret" in volume:
-                data = secrets[volume["secret"]["secretName"]]
-                write_atomic_volume(path, data, self.uid, self.gid)
-            else:
-                raise NotImplementedError(
-                    f"volume {volume['name']}: {sorted(volume)} not played here"
+                write_atomic_volume(
+                    path, config_maps[volume["configMap"]["name"]], self.uid, self.gid
                 )
-            self.volume_dirs[volume["name"]] = path
-            self._mount_point(target)
-            ro = ",ro" if mount.get("readOnly") else ""
-            self.mounts.append(f"mount --bind {shlex.quote(str(path))} {shlex.quote(target)}")
-            if ro:
-                self.mounts.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+            elif "secret" in volume:
+                write_atomic_volume(
+                    path, secrets[volume["secret"]["secretName"]], self.uid, self.gid
+                )
+            elif "persistentVolumeClaim" in volume:
+                claim = self.claims[volume["persistentVolumeClaim"]["claimName"]]
+                if claim.ownership and self.fs_group is not None:
+                    claim.apply_fs_group(self.fs_group)
+                path = claim.path
+            else:
+                raise NotImplementedError(f"volume {name}: {sorted(volume)} not played here")
+            self.volume_dirs[name] = path
+
+    def _mount_lines(self, container: dict[str, Any]) -> list[str]:
+        """Shell lines that mount a container's volumeMounts in its mount namespace."""
+        volumes = {v["name"]: v for v in self.plan.volumes}
+        mounts = sorted(container.get("volumeMounts", []), key=lambda m: m["mountPath"])
+        lines = []
+        for mount in mounts:
+            volume, target = volumes[mount["name"]], shlex.quote(mount["mountPath"])
+            if "emptyDir" in volume and volume["emptyDir"].get("medium") == "Memory":
+                size = volume["emptyDir"].get("sizeLimit")
+                option = f"-o size={quantity_bytes(size)}" if size else ""
+                lines += [f"mount -t tmpfs {option} tmpfs {target}",
+                          f"chown {self.uid}:{self.gid} {target}"]  # fmt: skip
+                continue
+            self._mount_point(mount["mountPath"], mounts)
+            source = shlex.quote(str(self.volume_dirs[volume["name"]]))
+            lines.append(f"mount --bind {source} {target}")
+            if mount.get("readOnly"):
+                lines.append(f"mount -o remount,bind,ro {target}")
+        return lines
 
     def _image_mounts(self) -> list[str]:
         """This checkout standing in for the image's files: the prepared model at the image's
-        cache path, and the interpreter the virtualenv links to (here under root's home, which
-        uid 1000 may not enter: the pod sees an empty home with only the interpreter in it)."""
+        cache path, the cluster's hosts file, and the interpreter the virtualenv links to (here
+        under root's home, which uid 1000 may not enter: the pod sees an empty home with only
+        the interpreter in it)."""
         Path(IMAGE_CACHE).mkdir(parents=True, exist_ok=True)
         python = Path(os.path.realpath(VENV_BIN / "python3"))
-        lines = [f"mount --bind {shlex.quote(str(self.model_cache))} {IMAGE_CACHE}"]
+        lines = [
+            f"mount --bind {shlex.quote(str(self.model_cache))} {IMAGE_CACHE}",
+            f"mount --bind {shlex.quote(str(self.hosts))} /etc/hosts",  # kubelet's, cluster DNS
+        ]
         home = Path.home()
         if home in python.parents:
             top = home / python.relative_to(home).parts[0]  # e.g. ~/.pyenv
@@ -160,14 +208,13 @@ class Pod:
             ]
         return lines
 
-    def _mount_point(self, target: str) -> None:
+    def _mount_point(self, target: str, mounts: list[dict[str, Any]]) -> None:
         """A nested mount's point inside its parent volume (the runtime creates it there); a
         top-level one on the host, where the pod's mount namespace covers it."""
-        for name, path in self.volume_dirs.items():
-            parent = next(
-                m["mountPath"] for m in self.plan.container["volumeMounts"] if m["name"] == name
-            )
-            if target.startswith(parent.rstrip("/") + "/"):
+        for mount in mounts:
+            parent = mount["mountPath"]
+            if target.startswith(parent.rstrip("/") + "/") and mount["name"] in self.volume_dirs:
+                path = self.volume_dirs[mount["name"]]
                 (path / Path(target).relative_to(parent)).mkdir(parents=True, exist_ok=True)
                 return
         Path(target).mkdir(parents=True, exist_ok=True)
@@ -178,18 +225,21 @@ class Pod:
 
     # -- processes ---------------------------------------------------------------------------
 
-    def in_pod(self, command: str) -> list[str]:
-        """argv running a shell command inside this pod: its network and mount namespaces, its
-        user, exactly its env."""
-        env = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
+    def in_pod(
+        self, command: str, *, mounts: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> list[str]:
+        """argv running a shell command inside this pod: its network namespace, a mount
+        namespace with the Ray container's volumes (or `mounts`), its user, exactly its env (or
+        `env`)."""
+        env_words = " ".join(shlex.quote(f"{k}={v}") for k, v in (env or self.env).items())
         user = f"setpriv --reuid={self.uid} --regid={self.gid} --clear-groups"
         script = "\n".join(
             [
                 "set -e",
                 *self._image_mounts(),
-                *self.mounts,
-                f"cd {shlex.quote(self.env.get('HOME', '/'))}",
-                f"exec {user} env -i {env} bash -c {shlex.quote(command)}",
+                *(self.mounts if mounts is None else mounts),
+                f"cd {shlex.quote((env or self.env).get('HOME', '/'))}",
+                f"exec {user} env -i {env_words} bash -c {shlex.quote(command)}",
             ]
         )
         return [
@@ -197,7 +247,22 @@ class Pod:
             "unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script,
         ]  # fmt: skip
 
+    def run_init_containers(self, image_env: dict[str, str]) -> subprocess.CompletedProcess | None:
+        """kubelet's init containers, in order, each run to its end before the next, with its
+        own volumeMounts and env (the image's, then its own); the first that fails is returned:
+        the pod stays in Init:Error and its Ray container never starts. None when all pass."""
+        for container in self.plan.init_containers:
+            env = dict(image_env)
+            env |= {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+            command = shlex.join([*container.get("command", []), *container.get("args", [])])
+            argv = self.in_pod(command, mounts=self._mount_lines(container), env=env)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                return done
+        return None
+
     def start(self, command: str) -> None:
+        self.command = command
         self.dir.mkdir(parents=True, exist_ok=True)
         log = self.log.open("ab")
         self.process = subprocess.Popen(
@@ -308,30 +373,51 @@ class Pod:
 
 
 class Prober(threading.Thread):
-    """kubelet's probing of one pod, on the probes' own periods: until the startup probe passes
-    no other runs; readiness then sets `ready` (one pass makes it Ready, `failure_threshold`
-    failures in a row NotReady); liveness counts its failures in a row, and reaching its
-    threshold is recorded in `restarts` (kubelet would restart the container; the tests
-    assert it never does). Every NotReady turn is kept in `not_ready` for the tests to read."""
+    """kubelet's care of one pod's Ray container (restartPolicy Always): it probes on the probes'
+    own periods, and until the startup probe passes no other runs; readiness then sets `ready`
+    (one pass makes it Ready, `failure_threshold` failures in a row NotReady); liveness counts
+    its failures in a row, and reaching its threshold is recorded in `restarts` (kubelet would
+    restart the container; the tests assert it never does). A container that exits is started
+    again after kubelet's back-off (10 s, doubling up to 5 min), its time kept in `exits`. Every
+    NotReady turn is kept in `not_ready` for the tests to read."""
 
     def __init__(self, pod: Pod) -> None:
         super().__init__(name=f"prober-{pod.plan.name}", daemon=True)
         self.pod = pod
         self.probes = pod.plan.probes()
-        self.ready = False
-        self.started = "startup" not in self.probes
         self.restarts: list[str] = []
+        self.exits: list[float] = []
         self.not_ready: list[tuple[float, str]] = []
         self._stop = threading.Event()
+        self._container_started()
+
+    def _container_started(self) -> None:
+        self.ready = False
+        self.started = "startup" not in self.probes
         self._failures: dict[str, int] = {}
-        self._begun = time.monotonic()
-        self._due = {kind: self._begun + p.initial_delay_s for kind, p in self.probes.items()}
+        begun = time.monotonic()
+        self._due = {kind: begun + p.initial_delay_s for kind, p in self.probes.items()}
+
+    def _restart_if_exited(self) -> None:
+        process = self.pod.process
+        if process is None or process.poll() is None:
+            return
+        self.exits.append(time.time())
+        if self.ready:
+            self.not_ready.append((time.time(), f"container exited ({process.returncode})"))
+        self.ready = False
+        back_off = min(10 * 2 ** (len(self.exits) - 1), 300)
+        if self._stop.wait(back_off):
+            return
+        self.pod.start(self.pod.command)
+        self._container_started()
 
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> None:
         while not self._stop.is_set():
+            self._restart_if_exited()
             now = time.monotonic()
             for kind in ("startup", "liveness", "readiness"):
                 probe = self.probes.get(kind)

@@ -41,6 +41,10 @@ NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 # KubeRay's probe timeouts (utils/constant.go): the head's queries two checks.
 PROBE_TIMEOUT_S = 2.0
 HEAD_PROBE_TIMEOUT_S = 5.0
+# The external Redis of GCS fault tolerance: a pod of the release's namespace.
+REDIS_HOST = f"redis.{NAMESPACE}.svc.cluster.local"
+REDIS_PORT = 6379
+REDIS_SELECTOR = {"matchLabels": {"app": "redis"}}
 # How long a load client may take to end its streams once told to stop.
 LOAD_STOP_S = 150
 # A redeployed arm: Ray Serve builds it again and starts its engine (about a minute, loaded).
@@ -58,6 +62,7 @@ class PodPlan:
     volumes: list[dict[str, Any]]
     start_params: dict[str, str]
     grace_s: float
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # resolved: rendered + KubeRay's
     secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (secret, key)
 
@@ -65,11 +70,12 @@ class PodPlan:
     def head(self) -> bool:
         return self.group == "head"
 
-    def ray_start(self, head_ip: str) -> str:
-        """KubeRay's generated container command (bash -c; the image's login shell keeps PATH)."""
+    def ray_start(self, head_host: str) -> str:
+        """KubeRay's generated container command (bash -c; the image's login shell keeps PATH).
+        A worker joins the head through its Service's name."""
         params = dict(self.start_params)
         if not self.head:
-            params.setdefault("address", f"{head_ip}:{GCS_PORT}")
+            params.setdefault("address", f"{head_host}:{GCS_PORT}")
         else:
             params.setdefault("dashboard-host", "0.0.0.0")
         params.setdefault("metrics-export-port", str(METRICS_PORT))
@@ -173,9 +179,10 @@ def quantity_bytes(text: str) -> int:
 
 
 def harness_values() -> dict[str, Any]:
-    """The CPU profile's values with the one override the harness runs: two of its arms (the
-    cheap ones), and as many worker pods as the profile has per arm, its spare included. Its
-    request timeout, drain and probes are the profile's."""
+    """The CPU profile's values with the overrides the harness runs: two of its arms (the cheap
+    ones), as many worker pods as the profile has per arm, its spare included, and GCS fault
+    tolerance with an external Redis (off by default; the head's deletion is tested with it).
+    Its request timeout, drain and probes are the profile's."""
     defaults = yaml.safe_load((generate.CHART / "values.yaml").read_text())
     arms = [a for a in defaults["config"]["arms"] if a["name"] in ("no-spec", "ngram")]
     for arm in arms:
@@ -186,7 +193,13 @@ def harness_values() -> dict[str, Any]:
     group.update(replicas=pods, minReplicas=pods, maxReplicas=pods)
     config = dict(defaults["config"])
     config["arms"] = arms
-    return {"config": config, "workerGroups": [group]}
+    # GCS fault tolerance on, with its Redis in the release's namespace.
+    redis = {
+        "redisAddress": f"{REDIS_HOST}:{REDIS_PORT}",
+        "redisTo": [{"podSelector": REDIS_SELECTOR}],
+    }
+    ray = {**defaults["ray"], "gcsFaultTolerance": redis}
+    return {"config": config, "workerGroups": [group], "ray": ray}
 
 
 @dataclass
@@ -258,6 +271,7 @@ def pod_plans(rendered: Rendered) -> list[PodPlan]:
                     volumes=pod_spec.get("volumes", []),
                     start_params={k: str(v) for k, v in group_spec["rayStartParams"].items()},
                     grace_s=float(pod_spec.get("terminationGracePeriodSeconds", 30)),
+                    init_containers=pod_spec.get("initContainers", []),
                 )
             )
     return plans
@@ -269,25 +283,44 @@ def pod_name(cluster: str, group: str) -> str:
     return prefix + "".join(secrets.choice(NAME_SUFFIX_ALPHABET) for _ in range(5))
 
 
-def kuberay_env(plan: PodPlan, *, cluster: str, head_ip: str, auth: bool) -> dict[str, str]:
-    """The variables KubeRay adds to the Ray container (those not set already)."""
+def head_service_host(cluster: str) -> str:
+    """The head Service's name in cluster DNS, which KubeRay gives workers as the head's
+    address (FQ_RAY_IP)."""
+    return f"{cluster}-head-svc.{NAMESPACE}.svc.cluster.local"
+
+
+def kuberay_env(
+    plan: PodPlan, *, cluster: str, auth: bool, gcs_ft: dict[str, Any] | None, storage: str
+) -> dict[str, str]:
+    """The variables KubeRay adds to the Ray container (those not set already); with GCS fault
+    tolerance (`gcs_ft`, the RayCluster's gcsFaultToleranceOptions), the head's Redis address
+    and storage namespace (the RayCluster's UID, `storage`) and the workers' 600 s to
+    reconnect to a restarted GCS (pod.go `configureGCSFaultTolerance`)."""
+    head_host = head_service_host(cluster)
     env = {
         "RAY_CLUSTER_NAME": cluster,
         "RAY_CLOUD_INSTANCE_ID": plan.name,
         "RAY_NODE_TYPE_NAME": plan.labels["ray.io/group"],
-        "KUBERAY_GEN_RAY_START_CMD": plan.ray_start(head_ip).split("; ", 1)[1],
+        "KUBERAY_GEN_RAY_START_CMD": plan.ray_start(head_host).split("; ", 1)[1],
         "RAY_PORT": str(GCS_PORT),
         "RAY_TIMEOUT_MS_TASK_WAIT_FOR_DEATH_INFO": "0",
         "RAY_GCS_SERVER_REQUEST_TIMEOUT_SECONDS": "5",
         "RAY_SERVE_KV_TIMEOUT_S": "5",
-        "RAY_ADDRESS": f"{'127.0.0.1' if plan.head else head_ip}:{GCS_PORT}",
+        "RAY_ADDRESS": f"{'127.0.0.1' if plan.head else head_host}:{GCS_PORT}",
         "RAY_USAGE_STATS_KUBERAY_IN_USE": "1",
         "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
     }
     if not plan.head:
-        env |= {"FQ_RAY_IP": head_ip, "RAY_IP": head_ip}
+        env |= {"FQ_RAY_IP": head_host, "RAY_IP": head_host}
     if auth:
         env["RAY_AUTH_MODE"] = "token"
+    if gcs_ft and plan.head:
+        env |= {
+            "RAY_REDIS_ADDRESS": gcs_ft["redisAddress"],
+            "RAY_external_storage_namespace": storage,
+        }
+    elif gcs_ft:
+        env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "600"
     return env
 
 
@@ -299,7 +332,30 @@ class Operator:
     """The RayService controller's calls to the head's dashboard, from the operator's pod."""
 
     def __init__(self, endpoint, head_ip: str, token: str | None) -> None:
-        self.endpoint, self.url, self.token = endpoint, f"http://{head_ip}:{DASHBOARD_PORT}", token
+        self.endpoint, self.token = endpoint, token
+        self.follow(head_ip)
+
+    def follow(self, head_ip: str) -> None:
+        """Talk to the head at this address (the head Service's endpoint, after a new head)."""
+        self.url = f"http://{head_ip}:{DASHBOARD_PORT}"
+
+    def reconcile(self, serve_config: dict[str, Any], *, timeout_s: float) -> bool:
+        """The RayService controller's check once the head is Ready, retried until the head's
+        Serve API answers: the Serve config is submitted again when the cluster runs no
+        application (a head that came back without its state); with GCS fault tolerance the
+        applications come back by themselves. Returns whether it submitted."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                apps = self.applications()
+                break
+            except (AssertionError, json.JSONDecodeError):
+                assert time.monotonic() < deadline, f"no answer from {self.url} in {timeout_s} s"
+                time.sleep(2)
+        if apps:
+            return False
+        self.submit(serve_config)
+        return True
 
     def _curl(self, method: str, path: str, body: str | None = None, timeout: float = 30):
         argv = ["curl", "-sS", "-m", str(int(timeout)), "-X", method, "-w", "\n%{http_code}"]

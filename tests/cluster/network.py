@@ -103,3 +103,26 @@ class Network:
             if name.startswith(PREFIX):
                 with contextlib.suppress(RuntimeError):
                     sh("ip", "link", "delete", name)
+
+
+class ClusterDNS:
+    """Cluster DNS, played by the hosts file every pod mounts at /etc/hosts: a Service's name
+    -> the address of the pod behind it, changed in place (the pods' mounts keep the file) when
+    that pod is replaced."""
+
+    def __init__(self, path) -> None:
+        self.path, self.names = path, {}
+        self._write()
+
+    def set(self, name: str, ip: str) -> None:
+        self.names[name] = ip
+        self._write()
+
+    def _write(self) -> None:
+        lines = ["127.0.0.1 localhost", *(f"{ip} {name}" for name, ip in self.names.items())]
+        mode = "r+" if self.path.exists() else "w"
+        with open(self.path, mode) as hosts:
+            hosts.seek(0)
+            hosts.write("\n".join(lines) + "\n")
+            hosts.truncate()
+        self.path.chmod(0o644)

@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 
+from specserve.config.serve_config import ROUTER_APP_NAME
 from tests.cluster import kuberay, netpol
 from tests.conftest import unavailable
 
@@ -233,6 +234,58 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
 def ray_node_alive(cluster, ip: str) -> bool:
     """Whether Ray's GCS lists a live node at this address."""
     return (ip, "ALIVE") in cluster.operator.nodes()
+
+
+@pytest.mark.disruptive
+def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_request(
+    cluster, tmp_path
+):
+    assert cluster.gcs_ft, "the harness runs the chart with GCS fault tolerance on"
+    arms = {a: replica_ids(cluster.operator.applications(), a) for a in cluster.app_names()}
+    arms = {a: ids for a, ids in arms.items() if a != ROUTER_APP_NAME}  # the engines
+    old = cluster.head
+    urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
+    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
+    key, model = cluster.api_key(), cluster.model()
+    load = [
+        cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
+        for _ in range(3)
+    ]
+    try:
+        time.sleep(15)  # streams in flight through the workers' proxies
+        deleted_at = time.time()
+        took = cluster.delete(old)
+        head = cluster.recreate("head")  # KubeRay creates the head again
+        cluster.wait_until(lambda: head.prober.ready, f"{head.plan.name} Ready")
+        ready_at = time.time()
+        resubmitted = cluster.operator.reconcile(
+            cluster.serve_config_now, timeout_s=kuberay.REDEPLOY_TIMEOUT_S
+        )
+        cluster.operator.wait_running(cluster.app_names(), timeout_s=kuberay.REDEPLOY_TIMEOUT_S)
+        running_at = time.time()
+        time.sleep(10)  # and new requests a while on
+    finally:
+        stop.write_text("1")
+        for process in load:
+            process.wait(timeout=kuberay.LOAD_STOP_S)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    lost = [r for r in records if r["outcome"] != "ok"]
+    headless = [r for r in records if deleted_at < r["started"] < ready_at]
+    print(
+        f"head {old.plan.name} deleted ({took}); {head.plan.name} Ready after "
+        f"{ready_at - deleted_at:.0f} s, every application RUNNING after "
+        f"{running_at - deleted_at:.0f} s (Serve config submitted again: {resubmitted}); "
+        f"{len(records)} requests, {len(headless)} started while no head was Ready; lost: {lost}; "
+        f"containers started again: {cluster.exits()}"
+    )
+    assert head.plan.name != old.plan.name and head.endpoint.ip != old.endpoint.ip
+    assert headless, "no request was sent while the head was away"
+    assert not lost, f"requests lost to the head's deletion: {lost}"
+    # The arms' engines kept running through it: the same replicas, none started again.
+    after = cluster.operator.applications()
+    assert {a: replica_ids(after, a) for a in arms} == arms
+    assert all(ray_node_alive(cluster, w.endpoint.ip) for w in cluster.workers())
+    assert not cluster.restarts(), f"kubelet would restart: {cluster.restarts()}"
 
 
 def test_a_real_prometheus_in_the_monitoring_namespace_scrapes_every_pod(cluster, tmp_path):

@@ -95,8 +95,7 @@ class RenderedCluster:
         self.serve_config_now = self.rendered.serve_config
         self.operator.submit(self.serve_config_now)
         self.operator.wait_running(self.app_names(), timeout_s=DEPLOY_TIMEOUT_S)
-        self.wait_until(self.serving_pods, "a pod in the API Service", 60)
-        self.first_revision = self.request(self.serving_pods()[0], stream=False)["revision"]
+        self.first_revision = self.request(self.wait_serving(1)[0], stream=False)["revision"]
 
     def _pod(self, plan: kuberay.PodPlan, endpoint: Endpoint) -> Pod:
         """A pod as kubelet sets it up: its env (rendered, KubeRay's, the image's), volumes and
@@ -292,6 +291,16 @@ class RenderedCluster:
                     continue
             serving.append(pod)
         return serving
+
+    def wait_serving(self, count: int, timeout_s: float = 60) -> list[Pod]:
+        """At least `count` endpoints of the API Service (a worker whose probe missed once is
+        out of them for a probe period, as on a cluster)."""
+
+        def enough() -> list[Pod]:
+            pods = self.serving_pods()
+            return pods if len(pods) >= count else []
+
+        return self.wait_until(enough, f"{count} pods serving", timeout_s)
 
     def restarts(self) -> dict[str, list[str]]:
         """Containers kubelet would have restarted for their probes: liveness or startup

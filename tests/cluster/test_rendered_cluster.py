@@ -41,8 +41,9 @@ def test_every_pod_passes_its_rendered_and_kuberay_probes(cluster):
 
 
 def test_the_api_serves_plain_and_streamed_requests_with_a_key_through_every_pod(cluster):
-    serving = cluster.serving_pods()
-    assert len(serving) >= 2, "the engines' pods serve"
+    # The engines' pods serve (a worker's readiness fails at its first slow probe: it may be
+    # out of the endpoints for a probe period on a busy machine, as on a cluster).
+    serving = cluster.wait_serving(2)
     # The chart leaves the head out of the API Service (excludeHeadPodFromServeSvc).
     assert cluster.head not in serving
     for index, pod in enumerate(serving):
@@ -169,7 +170,7 @@ def test_patching_one_arm_in_serve_config_redeploys_that_arm_only(cluster):
         time.sleep(3)
     for name in cluster.app_names() - {patched_arm["name"]}:
         assert replica_ids(after, name) == replica_ids(before, name), f"{name} was redeployed"
-    answer = cluster.request(cluster.serving_pods()[0], stream=True)
+    answer = cluster.request(cluster.wait_serving(1)[0], stream=True)
     assert answer["status"] == 200
 
 
@@ -183,7 +184,7 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
     victim = cluster.busiest_worker()
     moved = cluster.apps_on(victim)
     urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
-    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
+    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.wait_serving(2)))
     key, model = cluster.api_key(), cluster.model()
     load = [
         cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
@@ -191,7 +192,7 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
     ]
     try:
         time.sleep(15)  # streams in flight through every pod, on every engine
-        left = [p for p in cluster.serving_pods() if p is not victim]
+        left = [p for p in cluster.wait_serving(2) if p is not victim]
         urls.write_text("\n".join(cluster.api_url(p) for p in left))  # endpoints first
         deleted_at = time.time()
         took = cluster.delete(victim)
@@ -245,7 +246,7 @@ def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_requ
     arms = {a: ids for a, ids in arms.items() if a != ROUTER_APP_NAME}  # the engines
     old = cluster.head
     urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
-    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.serving_pods()))
+    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.wait_serving(2)))
     key, model = cluster.api_key(), cluster.model()
     load = [
         cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))

@@ -84,6 +84,20 @@ def test_killing_one_engine_replica_under_load(live, restore_config):
             live.write_config(text)
             live.platform.deploy(load_config(live.config_path))
         wait_for_replicas(APP, 1)
+        wait_until_it_answers(live)
+
+
+def wait_until_it_answers(live, timeout_s: float = 300) -> None:
+    """The arm answers again. When the scale-down comes before Ray Serve has seen the killed
+    replica die, it stops the live one and keeps the dead one, still counted RUNNING until its
+    health check fails; the arm then has no replica until a new one starts (~25 s)."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    while (
+        live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: KILLED}).status_code != 200
+    ):
+        assert time.monotonic() < deadline, f"{KILLED} does not answer {timeout_s:.0f} s on"
+        time.sleep(2)
 
 
 def soak_with_a_replica_killed(live) -> None:

@@ -40,8 +40,9 @@ TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is 
 # `make test` runs the suite, then tests/cluster (e2e) in a pytest run of its own: the two runs'
 # budgets together, at most TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum), leave a
 # third of CI's 90 minutes to spare.
-BUDGETS_S = {UNIT: 120, RAY: 660, LIVE: 780, DISRUPTIVE: 540, E2E: 960}
-CLUSTER_BUDGET_S = 480  # tests/cluster: e2e, in a pytest run of its own
+# Later, on machine C: e2e 394 and tests/cluster 403-483 once it deleted the head too.
+BUDGETS_S = {UNIT: 120, RAY: 660, LIVE: 780, DISRUPTIVE: 540, E2E: 840}
+CLUSTER_BUDGET_S = 600  # tests/cluster: e2e, in a pytest run of its own
 # The budgets are seconds on a CPU with bf16 instructions (AVX-512 BF16, AMX), where the engines
 # and the drafter work run in bfloat16, as on the machines they were measured on. Without them
 # they run in float32 and the same work takes longer: 1.8x for the drafter pipeline, compute-

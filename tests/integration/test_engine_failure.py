@@ -195,6 +195,13 @@ def kill_the_replica_of_a_stream_mid_way(live) -> None:
     live.wait_for_metric(STREAMS_RESUMED + "_total", resumed_before + 1, arm="no-spec")
     # Its replacement is not waited for: the arm scales down to one replica next, and Ray
     # Serve stops a starting replica before a running one (the first kill showed the return).
+    # But Ray Serve's controller must have seen the replica die (its actor's death, seconds
+    # after the kill): until then it counts it RUNNING, and a scale-down may stop the live
+    # replica and keep the dead one, leaving the arm none for ~25 s.
+    deadline = time.monotonic() + 120
+    while running_replicas(APP) > 1:
+        assert time.monotonic() < deadline, "Ray Serve did not see the killed replica die"
+        time.sleep(1)
 
 
 def content(chunk: dict) -> str:

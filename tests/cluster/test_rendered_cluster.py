@@ -237,6 +237,9 @@ def ray_node_alive(cluster, ip: str) -> bool:
     return (ip, "ALIVE") in cluster.operator.nodes()
 
 
+# The head's drain and deletion (~60 s), the new head's start (80-100 s), the applications'
+# recovery (~15-45 s) and the load's end: 4-5 minutes on two busy cores.
+@pytest.mark.timeout(600)
 @pytest.mark.disruptive
 def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_request(
     cluster, tmp_path

@@ -4,6 +4,7 @@ a worker pod deleted under load."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -174,6 +175,38 @@ def test_patching_one_arm_in_serve_config_redeploys_that_arm_only(cluster):
     assert answer["status"] == 200
 
 
+class Load:
+    """Three clients streaming with an API key (client.py's `load`), round-robin over the pods
+    `route` names: kube-proxy's part, read before every request."""
+
+    def __init__(self, cluster, directory) -> None:
+        self.cluster = cluster
+        self.urls, self.stop, self.out = (directory / n for n in ("urls", "stop", "requests.jsonl"))
+
+    def route(self, pods) -> None:
+        self.urls.write_text("\n".join(self.cluster.api_url(p) for p in pods))
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.out.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def streaming_load(cluster, directory):
+    """Load over the API Service's endpoints while the block runs; its clients end their streams
+    and stop after it."""
+    load = Load(cluster, directory)
+    load.route(cluster.wait_serving(2))
+    key, model = cluster.api_key(), cluster.model()
+    args = (str(load.urls), key, model, str(load.stop), str(load.out))
+    clients = [cluster.client_popen("ingress", "load", *args) for _ in range(3)]
+    try:
+        yield load
+    finally:
+        load.stop.write_text("1")
+        for process in clients:
+            process.wait(timeout=kuberay.LOAD_STOP_S)
+
+
 def replica_ids(applications: dict, name: str) -> set[str]:
     deployments = applications[name]["deployments"].values()
     return {r["replica_id"] for d in deployments for r in d["replicas"] if r["state"] == "RUNNING"}
@@ -183,17 +216,9 @@ def replica_ids(applications: dict, name: str) -> set[str]:
 def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_path):
     victim = cluster.busiest_worker()
     moved = cluster.apps_on(victim)
-    urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
-    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.wait_serving(2)))
-    key, model = cluster.api_key(), cluster.model()
-    load = [
-        cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
-        for _ in range(3)
-    ]
-    try:
+    with streaming_load(cluster, tmp_path) as load:
         time.sleep(15)  # streams in flight through every pod, on every engine
-        left = [p for p in cluster.wait_serving(2) if p is not victim]
-        urls.write_text("\n".join(cluster.api_url(p) for p in left))  # endpoints first
+        load.route([p for p in cluster.wait_serving(2) if p is not victim])  # endpoints first
         deleted_at = time.time()
         took = cluster.delete(victim)
         # New requests once the pod is gone, until its arms run again elsewhere, and a while on.
@@ -202,11 +227,7 @@ def test_deleting_a_worker_pod_under_load_loses_no_started_request(cluster, tmp_
             assert time.monotonic() < deadline, "the deleted pod's arms did not run again"
             time.sleep(3)
         time.sleep(10)
-    finally:
-        stop.write_text("1")
-        for process in load:
-            process.wait(timeout=kuberay.LOAD_STOP_S)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = load.records()
     running_at_delete = [r for r in records if r["started"] < deleted_at < r["ended"]]
     lost = [r for r in records if r["outcome"] != "ok"]
     print(
@@ -248,14 +269,7 @@ def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_requ
     arms = {a: replica_ids(cluster.operator.applications(), a) for a in cluster.app_names()}
     arms = {a: ids for a, ids in arms.items() if a != ROUTER_APP_NAME}  # the engines
     old = cluster.head
-    urls, stop, out = tmp_path / "urls", tmp_path / "stop", tmp_path / "requests.jsonl"
-    urls.write_text("\n".join(cluster.api_url(p) for p in cluster.wait_serving(2)))
-    key, model = cluster.api_key(), cluster.model()
-    load = [
-        cluster.client_popen("ingress", "load", str(urls), key, model, str(stop), str(out))
-        for _ in range(3)
-    ]
-    try:
+    with streaming_load(cluster, tmp_path) as load:
         time.sleep(15)  # streams in flight through the workers' proxies
         deleted_at = time.time()
         took = cluster.delete(old)
@@ -268,11 +282,7 @@ def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_requ
         cluster.operator.wait_running(cluster.app_names(), timeout_s=kuberay.REDEPLOY_TIMEOUT_S)
         running_at = time.time()
         time.sleep(10)  # and new requests a while on
-    finally:
-        stop.write_text("1")
-        for process in load:
-            process.wait(timeout=kuberay.LOAD_STOP_S)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = load.records()
     lost = [r for r in records if r["outcome"] != "ok"]
     headless = [r for r in records if deleted_at < r["started"] < ready_at]
     print(

@@ -378,8 +378,7 @@ class Prober(threading.Thread):
     (one pass makes it Ready, `failure_threshold` failures in a row NotReady); liveness counts
     its failures in a row, and reaching its threshold is recorded in `restarts` (kubelet would
     restart the container; the tests assert it never does). A container that exits is started
-    again after kubelet's back-off (10 s, doubling up to 5 min), its time kept in `exits`. Every
-    NotReady turn is kept in `not_ready` for the tests to read."""
+    again after kubelet's back-off (10 s, doubling up to 5 min), its time kept in `exits`."""
 
     def __init__(self, pod: Pod) -> None:
         super().__init__(name=f"prober-{pod.plan.name}", daemon=True)
@@ -387,7 +386,6 @@ class Prober(threading.Thread):
         self.probes = pod.plan.probes()
         self.restarts: list[str] = []
         self.exits: list[float] = []
-        self.not_ready: list[tuple[float, str]] = []
         self._stop = threading.Event()
         self._container_started()
 
@@ -403,8 +401,6 @@ class Prober(threading.Thread):
         if process is None or process.poll() is None:
             return
         self.exits.append(time.time())
-        if self.ready:
-            self.not_ready.append((time.time(), f"container exited ({process.returncode})"))
         self.ready = False
         back_off = min(10 * 2 ** (len(self.exits) - 1), 300)
         if self._stop.wait(back_off):
@@ -439,9 +435,8 @@ class Prober(threading.Thread):
         elif kind == "readiness":
             if ok:
                 self.ready = True
-            elif failures >= probe.failure_threshold and self.ready:
+            elif failures >= probe.failure_threshold:
                 self.ready = False
-                self.not_ready.append((time.time(), why))
         elif not ok and failures >= probe.failure_threshold:
             self.restarts.append(f"{kind}: {why}")
             self._failures[kind] = 0

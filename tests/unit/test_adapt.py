@@ -11,6 +11,7 @@ import torch
 from specserve.capture.store import Bounds, CaptureWriter, Record
 from specserve.drafter.adapt import (
     CAPTURED_SET,
+    AdaptConfig,
     captured_sequences,
     content_addressed,
     judge,
@@ -59,6 +60,15 @@ def test_the_gate_scores_each_held_out_prompt_under_the_sampling_it_was_served_w
         "engine_default_temperature": 1,
         "temperatures": [0.7],
     }
+
+
+def test_relative_paths_are_made_absolute_for_the_train_workers_directories(tmp_path, monkeypatch):
+    """Ray Train's workers run elsewhere: `--work-dir out/` must name the same files there."""
+    monkeypatch.chdir(tmp_path)
+    config = AdaptConfig("package://eagle3.1", "captured", "out/work", "out/adapted", "target",
+                         replay_from="build")  # fmt: skip
+    assert config.work_dir == tmp_path / "out/work" and config.out_dir == tmp_path / "out/adapted"
+    assert config.captured == tmp_path / "captured" and config.replay_from == tmp_path / "build"
 
 
 def test_every_answer_to_one_prompt_falls_in_one_part_in_the_asked_shares():

@@ -93,6 +93,15 @@ class AdaptConfig:
         default_factory=lambda: TrainConfig(epochs=1.0, lr=3e-4, validate_every=25)
     )
 
+    def __post_init__(self) -> None:
+        # Ray Train's workers run in directories of their own: a relative path would name
+        # nothing there.
+        self.captured, self.work_dir, self.out_dir = (
+            Path(p).resolve() for p in (self.captured, self.work_dir, self.out_dir)
+        )
+        if self.replay_from is not None:
+            self.replay_from = Path(self.replay_from).resolve()
+
 
 @dataclass
 class Verdict:

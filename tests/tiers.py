@@ -40,9 +40,11 @@ TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is 
 # `make test` runs the suite, then tests/cluster (e2e) in a pytest run of its own: the two runs'
 # budgets together, at most TOTAL_BUDGET_S (tests/unit/test_tiers.py checks the sum), leave a
 # third of CI's 90 minutes to spare.
-# Later, on machine C: e2e 394 and tests/cluster 403-483 once it deleted the head too.
-BUDGETS_S = {UNIT: 120, RAY: 660, LIVE: 780, DISRUPTIVE: 540, E2E: 840}
-CLUSTER_BUDGET_S = 600  # tests/cluster: e2e, in a pytest run of its own
+# Later, on machine C: unit 50, ray 331, live 417, disruptive 173, e2e 351-397, and
+# tests/cluster 403-483 once it deleted the head too; then its upgrades (a second cluster rolled
+# under load) took it to ~1,000, and its budget came out of the others' room.
+BUDGETS_S = {UNIT: 120, RAY: 520, LIVE: 760, DISRUPTIVE: 380, E2E: 720}
+CLUSTER_BUDGET_S = 1100  # tests/cluster: e2e, in a pytest run of its own
 # The budgets are seconds on a CPU with bf16 instructions (AVX-512 BF16, AMX), where the engines
 # and the drafter work run in bfloat16, as on the machines they were measured on. Without them
 # they run in float32 and the same work takes longer: 1.8x for the drafter pipeline, compute-

@@ -6,9 +6,11 @@
 fault tolerance, enforces the rendered NetworkPolicy (netpol.py), starts the head pod and then
 the workers as kubelet would (kubelet.py), waits for their probes, and submits `serveConfigV2`
 as KubeRay does (kuberay.py). Later it deletes pods and replaces them (new names, new
-addresses; a new head takes over the head Service's name). It stands in for KubeRay, kubelet,
-cluster DNS (a hosts file) and a CNI that enforces NetworkPolicy; it cannot show scheduling,
-images or persistent volumes.
+addresses; a new head takes over the head Service's name), and follows the release's objects in
+the API (release.py) as kubelet and KubeRay do (`sync`): a ConfigMap's new files, a Serve config
+applied in place, a cluster spec rolled to a new cluster under NewCluster (`roll`). It stands in
+for KubeRay, kubelet, cluster DNS (a hosts file) and a CNI that enforces NetworkPolicy; it cannot
+show scheduling, images or persistent volumes.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from specserve.config.serve_config import ROUTER_APP_NAME
 from tests.cluster import kuberay, netpol
 from tests.cluster.kubelet import Pod, image_env
 from tests.cluster.network import ClusterDNS, Endpoint, Network
+from tests.cluster.release import Release
 from tests.deploy.conftest import ROOT
 
 # The namespaces the chart's default networkPolicy values name, and an outsider's.
@@ -47,12 +53,13 @@ class RenderedCluster:
         self.network = Network()
         self.pods: dict[str, Pod] = {}
         self.clients: dict[str, Endpoint] = {}
-        self.token = kuberay.new_token()
+        self.tokens: dict[str, str] = {}  # by RayCluster: KubeRay's token Secret is its own
         self.model_cache = model_cache
         self.terminating: set[str] = set()
         self.rulesets: dict[str, str] = {}
         self.dns = ClusterDNS(root / "hosts")
         self.redis: subprocess.Popen | None = None
+        self.release: Release | None = None
 
     # -- bring-up ----------------------------------------------------------------------------
 
@@ -63,8 +70,13 @@ class RenderedCluster:
         self.auth = (cluster_spec.get("authOptions") or {}).get("mode") == "token"
         self.exclude_head = bool(rayservice["spec"].get("excludeHeadPodFromServeSvc"))
         self.gcs_ft = cluster_spec.get("gcsFaultToleranceOptions")
-        self.storage = str(uuid.uuid4())  # the RayCluster's UID: GCS's namespace in Redis
-        plans = kuberay.pod_plans(self.rendered)
+        # Each RayCluster's UID: its GCS's namespace in Redis.
+        self.storages = {self.cluster_name: str(uuid.uuid4())}
+        self.tokens[self.cluster_name] = kuberay.new_token()
+        self.cluster_spec = kuberay.cluster_spec_hash(rayservice)
+        (self.root / "api").mkdir(exist_ok=True)
+        self.release = Release(self.root / "api", self.values, self.rendered.objects)
+        plans = kuberay.pod_plans(rayservice)
         self.templates = {p.group: p for p in plans}
         endpoints = {p.name: self.network.add(p.name, kuberay.NAMESPACE, p.labels) for p in plans}
         for name, namespace in CLIENTS.items():
@@ -89,10 +101,9 @@ class RenderedCluster:
             self._start(pod)
         for pod in workers:
             self.wait_until(lambda p=pod: p.prober.started, f"{pod.plan.name} started")
-        self.operator = kuberay.Operator(
-            self.clients["operator"], self.head_ip, self.token if self.auth else None
-        )
-        self.serve_config_now = self.rendered.serve_config
+        self.operator = kuberay.Operator(self.clients["operator"], self.head_ip, self.token)
+        # What KubeRay last took from the RayService, and what the cluster runs now.
+        self.serve_config_taken = self.serve_config_now = self.rendered.serve_config
         self.operator.submit(self.serve_config_now)
         self.operator.wait_running(self.app_names(), timeout_s=DEPLOY_TIMEOUT_S)
         self.first_revision = self.request(self.wait_serving(1)[0], stream=False)["revision"]
@@ -102,17 +113,18 @@ class RenderedCluster:
         user."""
         env = image_env(self.model_cache)
         env |= self._container_env(plan, self.secrets, endpoint.ip)
+        cluster = plan.labels["ray.io/cluster"]
         added = kuberay.kuberay_env(
             plan,
-            cluster=self.cluster_name,
+            cluster=cluster,
             auth=self.auth,
             gcs_ft=self.gcs_ft,
-            storage=self.storage,
+            storage=self.storages[cluster],
         )
         for key, value in added.items():
             env.setdefault(key, value)
         if self.auth:
-            env.setdefault("RAY_AUTH_TOKEN", self.token)
+            env.setdefault("RAY_AUTH_TOKEN", self.tokens[cluster])
         return Pod(
             plan,
             endpoint,
@@ -126,7 +138,7 @@ class RenderedCluster:
         )
 
     def _start(self, pod: Pod) -> None:
-        pod.start(pod.plan.ray_start(kuberay.head_service_host(self.cluster_name)))
+        pod.start(pod.plan.ray_start(kuberay.head_service_host(pod.plan.labels["ray.io/cluster"])))
         pod.start_probing()
 
     def _start_redis(self) -> None:
@@ -170,13 +182,14 @@ class RenderedCluster:
     # -- what KubeRay and kubelet do later ----------------------------------------------------
 
     def router_config(self) -> tuple[str, dict[str, str]]:
-        """The router's ConfigMap: its name and data as rendered."""
+        """The router's ConfigMap: its name and the files the pods have now."""
         head = next(iter(self.pods.values()))
         name = next(v["configMap"]["name"] for v in head.plan.volumes if "configMap" in v)
-        return name, self.rendered.config_map_data(name)
+        return name, dict(self.config_maps[name])
 
     def update_config_map(self, name: str, files: dict[str, str]) -> None:
         """kubelet's update of the ConfigMap in every pod that mounts it."""
+        self.config_maps[name] = dict(files)
         for pod in self.pods.values():
             for volume in pod.plan.volumes:
                 if volume.get("configMap", {}).get("name") == name:
@@ -230,6 +243,89 @@ class RenderedCluster:
         self.wait_until(lambda: fresh.prober.started, f"{plan.name} started")
         return fresh
 
+    # -- the release's objects in the API, followed ----------------------------------------
+
+    def sync(self, on_switch=None) -> list[str]:
+        """What kubelet and KubeRay do with the release's objects in the API now; returns it in
+        words. kubelet writes the live ConfigMap's files into every pod that mounts it. KubeRay
+        compares the RayService's cluster spec with the running cluster's: changed, it rolls a
+        new cluster under NewCluster (`roll`, `on_switch` as there) and leaves it unapplied
+        under None. A changed serveConfigV2 goes to the cluster that serves, in place (Ray
+        Serve redeploys the applications whose config changed)."""
+        assert self.release is not None
+        done = []
+        config_map = self.release.config_map()
+        name = config_map["metadata"]["name"]
+        if (config_map.get("data") or {}) != self.config_maps.get(name):
+            self.update_config_map(name, config_map.get("data") or {})
+            done.append("ConfigMap files updated")
+        rayservice = self.release.rayservice()
+        document = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+        if kuberay.cluster_spec_hash(rayservice) != self.cluster_spec:
+            if kuberay.upgrade_strategy(rayservice) == "NewCluster":
+                took = self.roll(rayservice, document, on_switch)
+                return [*done, f"rolled to a new cluster {self.cluster_name}: {took}"]
+            done.append("cluster spec left unapplied (upgradeStrategy None)")
+        if document != self.serve_config_taken:
+            self.operator.submit(document)
+            self.serve_config_taken = self.serve_config_now = document
+            done.append("serveConfigV2 submitted in place")
+        return done
+
+    def roll(self, rayservice: dict[str, Any], document: dict[str, Any], on_switch=None):
+        """KubeRay's NewCluster upgrade: a pending RayCluster of the new spec (a new name, so new
+        pod names and addresses, and a GCS namespace of its own) started beside the serving
+        one, and the Serve config submitted to it; once every application runs there and its
+        proxies' pods are Ready, the API Service's endpoints are its pods (`on_switch` gets
+        them: kube-proxy's part). Then the old cluster's pods are deleted at once, each as
+        kubelet deletes a pod (preStop, SIGTERM, grace period). KubeRay first waits
+        rayClusterDeletionDelaySeconds (the profile's 630 s); here only the pods' preStop drain
+        lets their requests finish, which asks more of the chart. Returns seconds to each step."""
+        started, old = time.monotonic(), list(self.pods.values())
+        cluster = kuberay.new_cluster_name(rayservice)
+        self.storages[cluster], self.tokens[cluster] = str(uuid.uuid4()), kuberay.new_token()
+        plans = kuberay.pod_plans(rayservice, cluster)
+        fresh = []
+        for plan in plans:
+            endpoint = self.network.add(plan.name, kuberay.NAMESPACE, plan.labels)
+            fresh.append(self._pod(plan, endpoint))
+            self.pods[plan.name] = fresh[-1]
+        head, *workers = fresh
+        self.dns.set(kuberay.head_service_host(cluster), head.endpoint.ip)
+        self.enforce_policy()
+        self._start(head)
+        self.wait_until(lambda: head.prober.ready, f"{head.plan.name} Ready")
+        for pod in workers:
+            self._start(pod)
+        for pod in workers:
+            self.wait_until(lambda p=pod: p.prober.started, f"{pod.plan.name} started")
+        took = {"pods_started_s": time.monotonic() - started}
+        token = self.tokens[cluster] if self.auth else None
+        operator = kuberay.Operator(self.clients["operator"], head.endpoint.ip, token)
+        operator.submit(document)
+        operator.wait_running(self.app_names(), timeout_s=DEPLOY_TIMEOUT_S)
+        took["serving_s"] = time.monotonic() - started
+        # The switch: the RayService's active cluster, and the Service's selector with it.
+        self.cluster_name, self.operator, self.head_ip = cluster, operator, head.endpoint.ip
+        self.templates = {p.group: p for p in plans}
+        self.cluster_spec = kuberay.cluster_spec_hash(rayservice)
+        self.serve_config_taken = self.serve_config_now = document
+        proxies = operator.proxy_ips()
+        serving = self.wait_serving(max(1, len([p for p in workers if p.endpoint.ip in proxies])))
+        if on_switch is not None:
+            on_switch(serving)
+        took["switched_s"] = time.monotonic() - started
+        self.terminating.update(p.plan.name for p in old)
+        with ThreadPoolExecutor(len(old)) as deleting:
+            list(deleting.map(lambda pod: pod.delete(), old))
+        for pod in old:
+            del self.pods[pod.plan.name]
+            self.network.remove(pod.plan.name)
+            self.rulesets.pop(pod.plan.name, None)
+        self.enforce_policy()
+        took["old_deleted_s"] = time.monotonic() - started
+        return {k: round(v, 1) for k, v in took.items()}
+
     def arm_names(self) -> set[str]:
         return {a["name"] for a in self.values["config"]["arms"]}
 
@@ -254,6 +350,11 @@ class RenderedCluster:
             else:
                 raise NotImplementedError(f"env {item['name']}: {source}")
         return env
+
+    @property
+    def token(self) -> str | None:
+        """The Ray token of the cluster that serves, as the operator sends it."""
+        return self.tokens[self.cluster_name] if self.auth else None
 
     @property
     def head(self) -> Pod:
@@ -283,6 +384,8 @@ class RenderedCluster:
         for name, pod in self.pods.items():
             if name in self.terminating or pod.prober is None or not pod.prober.ready:
                 continue
+            if pod.plan.labels["ray.io/cluster"] != self.cluster_name:
+                continue  # a pending cluster's, before the switch
             if pod.plan.head:
                 if self.exclude_head:
                     continue
@@ -387,6 +490,8 @@ class RenderedCluster:
         if self.redis is not None:
             self.redis.kill()
             self.redis.wait(timeout=10)
+        if self.release is not None:
+            self.release.close()
         self.network.close()
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ applications' status from the same API until every one is RUNNING.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import secrets
 import time
@@ -244,10 +245,11 @@ def render(values: dict[str, Any] | None = None) -> Rendered:
     return Rendered(generate.objects(manifests))
 
 
-def pod_plans(rendered: Rendered) -> list[PodPlan]:
-    """The head pod and every worker group's pods, as KubeRay creates them."""
-    spec = rendered.rayservice["spec"]["rayClusterConfig"]
-    cluster = rendered.rayservice["metadata"]["name"]
+def pod_plans(rayservice: dict[str, Any], cluster: str | None = None) -> list[PodPlan]:
+    """The head pod and every worker group's pods of a RayService's cluster (named `cluster`,
+    by default as the RayService), as KubeRay creates them."""
+    spec = rayservice["spec"]["rayClusterConfig"]
+    cluster = cluster or rayservice["metadata"]["name"]
     groups = [("head", 1, spec["headGroupSpec"])]
     groups += [(g["groupName"], g["replicas"], g) for g in spec.get("workerGroupSpecs", [])]
     plans = []
@@ -281,6 +283,29 @@ def pod_name(cluster: str, group: str) -> str:
     """A new pod's name: KubeRay's generateName prefix and the API server's random suffix."""
     prefix = f"{cluster}-head-" if group == "head" else f"{cluster}-{group}-worker-"
     return prefix + "".join(secrets.choice(NAME_SUFFIX_ALPHABET) for _ in range(5))
+
+
+def new_cluster_name(rayservice: dict[str, Any]) -> str:
+    """A RayCluster KubeRay creates for a RayService's upgrade: its name and a random suffix."""
+    suffix = "".join(secrets.choice(NAME_SUFFIX_ALPHABET) for _ in range(5))
+    return f"{rayservice['metadata']['name']}-{suffix}"
+
+
+def cluster_spec_hash(rayservice: dict[str, Any]) -> str:
+    """What KubeRay compares to decide whether a RayService's cluster must be upgraded
+    (rayservice_controller.go `generateHashWithoutReplicasAndWorkersToDelete`): the cluster
+    spec without the worker groups' replica counts, which it applies in place."""
+    spec = json.loads(json.dumps(rayservice["spec"]["rayClusterConfig"]))
+    for group in spec.get("workerGroupSpecs", []):
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def upgrade_strategy(rayservice: dict[str, Any]) -> str:
+    """The RayService's upgrade strategy; KubeRay's default is NewCluster."""
+    return (rayservice["spec"].get("upgradeStrategy") or {}).get("type") or "NewCluster"
 
 
 def head_service_host(cluster: str) -> str:

@@ -26,7 +26,7 @@ def engine_pod(tmp_path):
     if missing():
         unavailable(f"kubelet's part needs {missing()}")
     rendered = kuberay.Rendered(render_objects("gb200"))
-    plan = next(p for p in kuberay.pod_plans(rendered) if not p.head)
+    plan = next(p for p in kuberay.pod_plans(rendered.rayservice) if not p.head)
     (claim,) = [
         v["persistentVolumeClaim"]["claimName"]
         for v in plan.volumes

@@ -4,7 +4,6 @@ a worker pod deleted under load."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
@@ -13,6 +12,7 @@ import yaml
 
 from specserve.config.serve_config import ROUTER_APP_NAME
 from tests.cluster import kuberay, netpol
+from tests.cluster.load import replica_ids, streaming_load
 from tests.conftest import unavailable
 
 pytestmark = pytest.mark.e2e
@@ -173,43 +173,6 @@ def test_patching_one_arm_in_serve_config_redeploys_that_arm_only(cluster):
         assert replica_ids(after, name) == replica_ids(before, name), f"{name} was redeployed"
     answer = cluster.request(cluster.wait_serving(1)[0], stream=True)
     assert answer["status"] == 200
-
-
-class Load:
-    """Three clients streaming with an API key (client.py's `load`), round-robin over the pods
-    `route` names: kube-proxy's part, read before every request."""
-
-    def __init__(self, cluster, directory) -> None:
-        self.cluster = cluster
-        self.urls, self.stop, self.out = (directory / n for n in ("urls", "stop", "requests.jsonl"))
-
-    def route(self, pods) -> None:
-        self.urls.write_text("\n".join(self.cluster.api_url(p) for p in pods))
-
-    def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.out.read_text().splitlines()]
-
-
-@contextlib.contextmanager
-def streaming_load(cluster, directory):
-    """Load over the API Service's endpoints while the block runs; its clients end their streams
-    and stop after it."""
-    load = Load(cluster, directory)
-    load.route(cluster.wait_serving(2))
-    key, model = cluster.api_key(), cluster.model()
-    args = (str(load.urls), key, model, str(load.stop), str(load.out))
-    clients = [cluster.client_popen("ingress", "load", *args) for _ in range(3)]
-    try:
-        yield load
-    finally:
-        load.stop.write_text("1")
-        for process in clients:
-            process.wait(timeout=kuberay.LOAD_STOP_S)
-
-
-def replica_ids(applications: dict, name: str) -> set[str]:
-    deployments = applications[name]["deployments"].values()
-    return {r["replica_id"] for d in deployments for r in d["replicas"] if r["state"] == "RUNNING"}
 
 
 @pytest.mark.disruptive

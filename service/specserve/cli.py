@@ -528,11 +528,13 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         try:
             adapted = adapt(adapting)
         except (SystemExit, Exception) as exc:  # adapt's refusal, or its run failing
-            print(f"error: adapt: {adapt_failure(exc)}; nothing deployed", file=sys.stderr)
-            return 2, loop.ABORTED
+            reason = f"adapt: {adapt_failure(exc)}"
+            print(f"error: {reason}; nothing deployed", file=sys.stderr)
+            return _ended_before_ab(args, 2, loop.ABORTED, reason)
         if not adapted["accepted"]:
-            print(f"{loop.NO_CANDIDATE}: {adapted['verdict']['reason']}; nothing deployed")
-            return 3, loop.NO_CANDIDATE
+            reason = adapted["verdict"]["reason"]
+            print(f"{loop.NO_CANDIDATE}: {reason}; nothing deployed")
+            return _ended_before_ab(args, 3, loop.NO_CANDIDATE, reason)
         candidate = Path(adapted["accepted"])
         from specserve.drafter.seen import training_digests
 
@@ -585,6 +587,17 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
             f"{before.get('revision_before')}, from before the loop"
         )
     return (0 if report["outcome"] == loop.PROMOTED else 3), report["outcome"]
+
+
+def _ended_before_ab(args, code: int, outcome: str, reason: str) -> tuple[int, str]:  # noqa: ANN001
+    """A loop that ended before any revision: its `--json` report says so, as every outcome's
+    does."""
+    if args.json:
+        from specserve import loop
+
+        report = {"outcome": outcome, "reason": reason, "steps": [], "rows": []}
+        loop.write_report(report, args.json)
+    return code, outcome
 
 
 def traffic_seen(args, adapting, report: dict) -> dict:  # noqa: ANN001

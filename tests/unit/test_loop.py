@@ -507,10 +507,34 @@ def test_an_adapt_that_fails_ends_the_loop_in_one_line_with_nothing_deployed(
     monkeypatch.setattr("specserve.models.prepare_model", lambda source: "/nowhere")
     work = tmp_path / "work"
     command = ["loop", "--incumbent", "eagle3.1", "--prometheus", "http://127.0.0.1:9"]
-    command += ["--local", str(live), "--work-dir", str(work)]
+    command += ["--local", str(live), "--work-dir", str(work), "--json", str(tmp_path / "r.json")]
     assert cli.main(command) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: adapt: ") and said in err[0], err
     assert err[0].endswith("nothing deployed")
     assert live.read_text() == DEFAULT.read_text()
     assert loop.RunRecord(work).read_last()["outcome"] == loop.ABORTED
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["outcome"] == loop.ABORTED and said in report["reason"]
+    assert report["steps"] == report["rows"] == []
+
+
+def test_a_candidate_rejected_offline_ends_the_loop_with_its_reason_in_the_report(
+    tmp_path, cli_store, capsys, monkeypatch
+):
+    """`--json` holds a report for every outcome: a rejected candidate's too, which the loop's
+    proof reads."""
+    cli, live = cli_store
+    verdict = {"accepted": False, "reason": "not better on captured traffic: 1.007x"}
+    monkeypatch.setattr(
+        "specserve.drafter.adapt.adapt", lambda config: {"accepted": None, "verdict": verdict}
+    )
+    monkeypatch.setattr("specserve.models.prepare_model", lambda source: "/nowhere")
+    command = ["loop", "--incumbent", "eagle3.1", "--prometheus", "http://127.0.0.1:9"]
+    command += ["--local", str(live), "--work-dir", str(tmp_path / "work")]
+    command += ["--json", str(tmp_path / "r.json")]
+    assert cli.main(command) == 3
+    assert "nothing deployed" in capsys.readouterr().out
+    assert live.read_text() == DEFAULT.read_text()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["outcome"], report["reason"]) == (loop.NO_CANDIDATE, verdict["reason"])

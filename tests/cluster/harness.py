@@ -376,8 +376,9 @@ class RenderedCluster:
         return f"http://{pod.endpoint.ip}:{kuberay.SERVE_PORT}/v1"
 
     def serving_pods(self) -> list[Pod]:
-        """The API Service's endpoints: pods not being deleted whose readiness probe passes (a
-        worker's checks its Serve proxy, which runs only on nodes with replicas). The head
+        """The API Service's endpoints: pods of the RayService's active cluster, not being
+        deleted, whose readiness probe passes (a worker's checks its Serve proxy, which runs only
+        on nodes with replicas). The head
         only when the RayService does not exclude it; KubeRay then decides by its own check of
         the head's proxy."""
         serving = []

@@ -8,12 +8,14 @@ variables KubeRay adds (the Ray token from its Secret, RAY_ADDRESS, the RayServi
 and dashboard agent ports, `--memory` from the container's limit, `--address` for workers), and
 its default liveness and readiness probes for Ray >= 2.53 with their timeouts and thresholds
 (`PodPlan.probes`), and names each pod as the API server does for KubeRay's `generateName` (a
-random suffix: a replaced pod has a new name, and a new address from the pod network). The
-head's Service name is replaced by the head pod's address (no cluster DNS here).
+random suffix: a replaced pod has a new name, and a new address from the pod network). Workers
+reach the head by its Service's name (cluster DNS: network.py's hosts file).
 
 It then does what the RayService controller does: PUT `serveConfigV2` (as JSON) to the Serve REST
 API on the head's dashboard port with the token (`x-ray-authorization: Bearer`), and read the
-applications' status from the same API until every one is RUNNING.
+applications' status from the same API until every one is RUNNING. For an upgrade it compares
+the RayService's cluster spec as KubeRay does (`cluster_spec_hash`) and names a new RayCluster
+(`new_cluster_name`); harness.py's `sync` and `roll` act on them.
 """
 
 from __future__ import annotations

@@ -64,6 +64,21 @@ def until_redeployed(cluster, app: str, before: set[str]) -> None:
     cluster.operator.wait_running(cluster.app_names(), timeout_s=kuberay.REDEPLOY_TIMEOUT_S)
 
 
+def serve_as_the_api_says(cluster) -> None:
+    """An earlier test may have changed the Serve config directly, behind the RayService (as
+    `kubectl exec ... serve deploy` would): put back what the API holds, as the next change of
+    the RayService would, and wait out the arms it redeploys."""
+    running = {a["name"]: a for a in cluster.serve_config_now["applications"]}
+    wanted = {a["name"]: a for a in cluster.serve_config_taken["applications"]}
+    changed = [name for name, app in wanted.items() if running.get(name) != app]
+    if changed:
+        before = {name: replica_ids(cluster.operator.applications(), name) for name in changed}
+        cluster.operator.submit(cluster.serve_config_taken)
+        cluster.serve_config_now = cluster.serve_config_taken
+        for name in changed:
+            until_redeployed(cluster, name, before[name])
+
+
 def until_queue_bound(cluster, app: str, bound: int) -> None:
     deadline = time.monotonic() + kuberay.REDEPLOY_TIMEOUT_S
     while queue_bound(cluster, app) != bound:
@@ -78,6 +93,7 @@ def test_helm_upgrade_and_rollback_after_config_apply_keep_the_live_config_under
     cluster, tmp_path, capsys
 ):
     release = cluster.release
+    serve_as_the_api_says(cluster)
     installed_text, first = release.live_config(), release.revision
     kept = engines(cluster)  # no step of this test restarts an engine
     installed_bound = queue_bound(cluster, "arm-ngram")

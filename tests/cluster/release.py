@@ -28,24 +28,8 @@ from typing import Any
 import yaml
 
 from tests.cluster import kuberay
-from tests.deploy.conftest import generate, render_upgrade
+from tests.deploy.conftest import generate, release_objects, render_upgrade
 from tests.deploy.kube_standin import CONFIGMAPS, RAYSERVICES, KubeStandin
-
-ROUTER_CONFIG = "router-config"  # the live ConfigMap's app.kubernetes.io/component
-
-
-def held(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The live ConfigMap and the RayService among a render's objects, in the namespace."""
-    found = [
-        o
-        for o in objects
-        if o["kind"] == "RayService"
-        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == ROUTER_CONFIG
-    ]
-    # In Helm's install order: ConfigMaps before custom resources.
-    found.sort(key=lambda o: o["kind"])
-    assert [o["kind"] for o in found] == ["ConfigMap", "RayService"], found
-    return [{**o, "metadata": {**o["metadata"], "namespace": kuberay.NAMESPACE}} for o in found]
 
 
 class Release:
@@ -70,7 +54,7 @@ class Release:
         # Each revision's values and manifest, by revision - 1.
         self.revisions: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
         self.renders = 0
-        self._apply(values, held(installed))
+        self._apply(values, release_objects(installed, kuberay.NAMESPACE))
 
     @property
     def revision(self) -> int:
@@ -97,7 +81,7 @@ class Release:
             name=kuberay.RELEASE,
             namespace=kuberay.NAMESPACE,
         )
-        objects = held(generate.objects(rendered))
+        objects = release_objects(generate.objects(rendered), kuberay.NAMESPACE)
         return self._apply(values, objects, force_conflicts=force_conflicts)
 
     def rollback(self, revision: int, *, force_conflicts: bool = False) -> int:

@@ -114,6 +114,20 @@ LIVE_RAYSERVICE = 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname'
 LIVE_CONFIGMAP = 'lookup "v1" "ConfigMap" .Release.Namespace (include "specserve.configMapName" .)'
 
 
+def release_objects(objects: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """The release's objects `config apply` writes, among a render's: the live router ConfigMap
+    and the RayService, in Helm's install order (ConfigMaps first), in `namespace`."""
+    found = [
+        o
+        for o in objects
+        if o["kind"] == "RayService"
+        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router-config"
+    ]
+    found.sort(key=lambda o: o["kind"])
+    assert [o["kind"] for o in found] == ["ConfigMap", "RayService"], found
+    return [{**o, "metadata": {**o["metadata"], "namespace": namespace}} for o in found]
+
+
 def render_upgrade(
     values: dict[str, Any],
     running: dict[str, Any],

@@ -25,7 +25,7 @@ from specserve.cli import main
 from specserve.config.cluster_store import FIELD_MANAGER
 from specserve.config.schema import parse_config, revision_of
 from specserve.config.serve_config import ROUTER_APP_NAME, serve_config
-from tests.deploy.conftest import generate, render_upgrade
+from tests.deploy.conftest import generate, release_objects, render_upgrade
 from tests.deploy.kube_standin import CONFIGMAPS as configmaps
 from tests.deploy.kube_standin import RAYSERVICES as rayservices
 from tests.deploy.kube_standin import ApiError, KubeStandin
@@ -441,14 +441,9 @@ def chart_objects(**values) -> list[dict]:
     """The release's live ConfigMap and RayService as the chart renders them with `values`."""
     merged = generate._merge(generate.profile_values("cpu"), values)
     rendered = generate.objects(generate.render(merged, name=RELEASE, namespace=NAMESPACE))
-    found = [
-        o
-        for o in rendered
-        if o["kind"] == "RayService"
-        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router-config"
-    ]
+    found = release_objects(rendered, NAMESPACE)
     assert [o["metadata"]["name"] for o in found] == [LIVE, SERVICE]
-    return [{**o, "metadata": {**o["metadata"], "namespace": NAMESPACE}} for o in found]
+    return found
 
 
 def chart_upgrade_objects(standin: KubeStandin, tmp_path, **values) -> list[dict]:
@@ -463,13 +458,7 @@ def chart_upgrade_objects(standin: KubeStandin, tmp_path, **values) -> list[dict
         name=RELEASE,
         namespace=NAMESPACE,
     )
-    found = [
-        o
-        for o in generate.objects(rendered)
-        if o["kind"] == "RayService"
-        or o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router-config"
-    ]
-    return [{**o, "metadata": {**o["metadata"], "namespace": NAMESPACE}} for o in found]
+    return release_objects(generate.objects(rendered), NAMESPACE)
 
 
 def helm(standin: KubeStandin, objects: list[dict], *, force_conflicts: bool = False) -> None:

@@ -25,8 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tests.cluster import kuberay
 from tests.deploy.conftest import generate, release_objects, render_upgrade
 from tests.deploy.kube_standin import CONFIGMAPS, RAYSERVICES, KubeStandin
@@ -37,20 +35,7 @@ class Release:
         """`helm install` with `values`, which rendered `installed`."""
         self.root = root
         self.api = KubeStandin().start()
-        self.kubeconfig = root / "kubeconfig"
-        context = {"cluster": "api", "user": "operator", "namespace": kuberay.NAMESPACE}
-        self.kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "api", "cluster": {"server": self.api.url}}],
-                    "users": [{"name": "operator", "user": {"token": self.api.token}}],
-                    "contexts": [{"name": "api", "context": context}],
-                    "current-context": "api",
-                }
-            )
-        )
+        self.kubeconfig = self.api.write_kubeconfig(root / "kubeconfig", kuberay.NAMESPACE)
         # Each revision's values and manifest, by revision - 1.
         self.revisions: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
         self.renders = 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 import re
 import threading
 import uuid
@@ -349,6 +350,20 @@ class KubeStandin:
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
+
+    def write_kubeconfig(self, path: pathlib.Path, namespace: str) -> pathlib.Path:
+        """A kubeconfig whose current context is this server, with its token and `namespace`."""
+        context = {"cluster": "standin", "user": "operator", "namespace": namespace}
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "standin", "cluster": {"server": self.url}}],
+            "users": [{"name": "operator", "user": {"token": self.token}}],
+            "contexts": [{"name": "standin", "context": context}],
+            "current-context": "standin",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
 
     def start(self) -> KubeStandin:
         self._thread.start()

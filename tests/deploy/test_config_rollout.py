@@ -62,28 +62,7 @@ def labels(component: str | None = None, release: str = RELEASE) -> dict[str, st
 def standin(tmp_path, monkeypatch):
     """The stand-in API server, empty, and a kubeconfig pointing at it."""
     standin = KubeStandin().start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "standin", "cluster": {"server": standin.url}}],
-                "users": [{"name": "operator", "user": {"token": standin.token}}],
-                "contexts": [
-                    {
-                        "name": "standin",
-                        "context": {
-                            "cluster": "standin",
-                            "user": "operator",
-                            "namespace": NAMESPACE,
-                        },
-                    }
-                ],
-                "current-context": "standin",
-            }
-        )
-    )
+    kubeconfig = standin.write_kubeconfig(tmp_path / "kubeconfig", NAMESPACE)
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     yield standin
     standin.stop()

@@ -5,8 +5,9 @@ Two words, each with one definition here:
   its target version and healthy. Readiness asks for it: `/ready` says the platform serves the
   config it loaded as written, so an arm being rebuilt or rescaled keeps it unready.
 - *routable* (`routable`): the arm may take traffic: running, or DEPLOYING a new version while
-  the old replicas still serve. The dispatch routes by it (router/arm_states.py), so a redeploy
-  never takes an arm's traffic away.
+  the old replicas still serve, or a restarted Serve controller re-attaching to replicas that
+  served. The dispatch routes by it (router/arm_states.py), so neither a redeploy nor the loss of
+  the head pod takes an arm's traffic away.
 
 Readiness: every arm with weight > 0 running, and nothing draining. The router's `GET /ready`
 answers with it (router/dispatch.py, and the router itself when no dispatch runs in the proxy,
@@ -25,6 +26,7 @@ from specserve.config.schema import RouterConfig
 # NOT_DEPLOYED.
 RUNNING = "RUNNING"
 DEPLOYING = "DEPLOYING"
+RECOVERING = "RECOVERING"
 NOT_DEPLOYED = "NOT_DEPLOYED"
 
 
@@ -38,17 +40,25 @@ def running(status: Any) -> bool:
 
 
 def routable(app: dict[str, Any], *, was_running: bool = False) -> bool:
-    """An arm takes traffic while every deployment of its application has a running replica:
-    RUNNING, or DEPLOYING a new version while the old replicas still serve. While Ray Serve
-    builds a changed application again (its builder runs: DEPLOYING, no deployments listed,
-    ~20 s for an arm), the old replicas serve on: the arm keeps the state it had. `app` is the
-    application's details as Serve's REST API gives them."""
+    """An arm takes traffic while every deployment of its application has a serving replica:
+    RUNNING, or DEPLOYING a new version while the old replicas still serve. `was_running`: the
+    arm was routable at the last read; then two more states keep it so, as the old replicas
+    serve on through them:
+    - Ray Serve builds a changed application again (its builder runs: DEPLOYING, no deployments
+      listed, ~20 s for an arm);
+    - a restarted Serve controller (the head pod was lost, GCS fault tolerance brings it back)
+      re-attaches to the live replicas: RECOVERING until each answers, which waits on a replica
+      busy with requests; the proxies keep routing to them meanwhile.
+    `app` is the application's details as Serve's REST API gives them."""
     if running(app.get("status")):
         return True
     deployments = (app.get("deployments") or {}).values()
     if not deployments:
         return was_running and state(app.get("status")) == DEPLOYING
-    return all(any(running(r.get("state")) for r in d.get("replicas") or ()) for d in deployments)
+    serving = {RUNNING, RECOVERING} if was_running else {RUNNING}
+    return all(
+        any(state(r.get("state")) in serving for r in d.get("replicas") or ()) for d in deployments
+    )
 
 
 @dataclass(frozen=True)

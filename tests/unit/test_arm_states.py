@@ -139,3 +139,50 @@ def test_an_arm_whose_only_replica_died_counts_as_stopped_within_seconds(serve_i
     finally:
         marker.unlink(missing_ok=True)
         serve.delete("arm-c")
+
+
+@serve.deployment(
+    num_replicas=1,
+    ray_actor_options={
+        "num_cpus": 0,
+        # User code on the replica's own event loop, as a busy engine's: a blocking request
+        # keeps the controller's calls to the replica waiting.
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    },
+)
+class Busy:
+    async def __call__(self, seconds: float) -> str:
+        time.sleep(seconds)  # blocks the replica's event loop
+        return "ok"
+
+
+def test_an_arm_stays_routable_while_a_restarted_controller_recovers_its_busy_replica(
+    serve_instance,
+):
+    """The head pod's loss restarts the Serve controller (GCS fault tolerance); it re-attaches
+    to the live replicas, RECOVERING until each answers. An arm that served keeps its traffic
+    meanwhile (a platform test lost two requests to a 503 there); one never seen serving does
+    not take traffic on a recovering replica's word."""
+    handle = serve.run(Busy.bind(), name="arm-d", route_prefix=None)
+    try:
+        assert handle.remote(0).result() == "ok"
+        assert _routable(_serve_applications()["arm-d"])
+        busy = handle.remote(6)
+        time.sleep(0.5)  # the request holds the replica's loop
+        ray.kill(ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve"), no_restart=False)
+        apps = _apps_when(
+            lambda a: any(
+                _state(r["state"]) == "RECOVERING"
+                for d in a.get("arm-d", {}).get("deployments", {}).values()
+                for r in d["replicas"]
+            ),
+            timeout_s=30,
+        )
+        assert _state(apps["arm-d"]["status"]) == "DEPLOYING", apps["arm-d"]
+        assert _routable(apps["arm-d"], was_running=True)
+        assert not _routable(apps["arm-d"], was_running=False)
+        assert busy.result() == "ok"
+        apps = _apps_when(lambda a: _state(a["arm-d"]["status"]) == "RUNNING", timeout_s=60)
+        assert _routable(apps["arm-d"])
+    finally:
+        serve.delete("arm-d")

@@ -224,11 +224,16 @@ def _image_entry(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
 def generated_tpl() -> str:
     """Template definitions whose source of truth is Python: an arm's keys the router applies
     itself or that become Ray Serve deployment options, never the engine application's args
-    (schema.py's ROUTER_SIDE and DEPLOYMENT_OPTIONS), and what a hub id looks like (schema.py's
+    (schema.py's ROUTER_SIDE, DEPLOYMENT_OPTIONS and RELOADED_IN_PLACE), and what a hub id looks like (schema.py's
     HUB_ID_PATTERN: sources that code loading needs pinned)."""
-    from specserve.config.schema import DEPLOYMENT_OPTIONS, HUB_ID_PATTERN, ROUTER_SIDE
+    from specserve.config.schema import (
+        DEPLOYMENT_OPTIONS,
+        HUB_ID_PATTERN,
+        RELOADED_IN_PLACE,
+        ROUTER_SIDE,
+    )
 
-    keys = " ".join(sorted({*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}))
+    keys = " ".join(sorted({*ROUTER_SIDE, *DEPLOYMENT_OPTIONS, *RELOADED_IN_PLACE}))
     return (
         "{{- /* Generated from service/specserve/config/schema.py by `make generate`"
         " (helm/generate.py); do not edit. */}}\n"

@@ -10,7 +10,10 @@
 3. The verdict of `ab report` (ab/report.py: per-user output tokens/s with an always-valid
    interval) for the challenger against the incumbent, from the moment the challenger first
    served, read every `--poll-s`.
-4. promote: the incumbent arm takes the candidate and the challenger goes (one revision);
+4. promote: the incumbent arm takes the candidate and the challenger goes (one revision): as
+   its `drafter_weights`, loaded by the running engines without a restart, where the candidate
+   has the tensors of the incumbent's drafter (one `drafter adapt` trained from it); else as its
+   drafter, which restarts its engines;
    roll back, a guardrail drain of the challenger, a sample-ratio mismatch or no verdict within
    `--max-wait-s`: the challenger goes (one revision). Either way its weight returns to the
    incumbent.
@@ -40,6 +43,8 @@ from specserve.ab.prometheus import Prometheus, PrometheusError
 from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config.schema import RouterConfig, parse_config
 from specserve.config.store import ConfigStore
+from specserve.drafter_checkpoint import misfit
+from specserve.models import ModelError, resolve_drafter_source
 
 PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
     "promoted",
@@ -145,6 +150,7 @@ def with_challenger(
     challenger.update(name=name, weight=round(weight * share, 6))
     base["weight"] = round(weight - challenger["weight"], 6)
     challenger["speculative"]["model"] = str(candidate)
+    challenger.pop("drafter_weights", None)  # the candidate's own weights, not a promoted one's
     challenger.pop("capture", None)  # the incumbent's capture keeps the traffic's sample
     if cpus is not None:
         challenger["env"] = {**(challenger.get("env") or {}), CPU_BIND_ENV: cpus}
@@ -163,12 +169,29 @@ def shared_cores(config: RouterConfig, incumbent: str, challenger: str) -> str |
     return binds[0] if binds[0] is not None and binds[0] == binds[1] else None
 
 
-def promoted(live: str, incumbent: str, challenger: str) -> tuple[str, RouterConfig]:
-    """The incumbent takes the challenger's drafter and weight; the challenger goes."""
+def promoted(live: str, incumbent: str, challenger: str) -> tuple[str, RouterConfig, bool]:
+    """The incumbent takes the challenger's drafter and weight; the challenger goes. -> text,
+    config, and whether the incumbent's running engines load the drafter's weights in place
+    (`drafter_weights`: it fits the drafter they run) or restart with it."""
     document = yaml.safe_load(live)
     model = _arm(document, challenger)["speculative"]["model"]
-    _arm(document, incumbent)["speculative"]["model"] = model
-    return _revision(_removed(document, challenger, incumbent))
+    arm = _arm(document, incumbent)
+    in_place = _fits(model, arm["speculative"]["model"])
+    if in_place:
+        arm["drafter_weights"] = model
+    else:
+        arm["speculative"]["model"] = model
+        arm.pop("drafter_weights", None)
+    text, config = _revision(_removed(document, challenger, incumbent))
+    return text, config, in_place
+
+
+def _fits(candidate: str, drafter: str) -> bool:
+    """Whether `candidate` (a directory here) has the tensors of `drafter`, both readable here."""
+    try:
+        return misfit(candidate, resolve_drafter_source(drafter)) is None
+    except (OSError, ValueError, ModelError):  # not readable here: the engines restart with it
+        return False
 
 
 def without(live: str, challenger: str, incumbent: str) -> tuple[str, RouterConfig]:
@@ -337,9 +360,12 @@ class Loop:
     def _end(self, challenger: str, outcome: str, reason: str) -> dict[str, Any]:
         incumbent = self.config.incumbent
         if outcome == PROMOTED:
-            text, routed = promoted(self.store.live_text(), incumbent, challenger)
+            text, routed, in_place = promoted(self.store.live_text(), incumbent, challenger)
+            how = "its weights loaded in place" if in_place else "its engines restarted"
             self._step(
-                f"{incumbent} takes {challenger}'s drafter; {challenger} removed", text, routed
+                f"{incumbent} takes {challenger}'s drafter ({how}); {challenger} removed",
+                text,
+                routed,
             )
         else:
             text, routed = without(self.store.live_text(), challenger, incumbent)

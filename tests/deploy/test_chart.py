@@ -105,7 +105,7 @@ def test_serve_config_equals_what_specserve_renders_from_the_same_config(rendere
     )
     assert document == expected
     # Weights are not part of it: a weight change never redeploys an engine.
-    assert "weight" not in json.dumps(document)
+    assert '"weight"' not in json.dumps(document)
 
 
 def test_an_arms_replica_and_queue_settings_render_as_its_deployment_options():
@@ -125,7 +125,30 @@ def test_an_arms_replica_and_queue_settings_render_as_its_deployment_options():
         }
     ]
     assert "replicas" not in first["args"]["arm"]
-    assert all("deployments" not in app for app in document["applications"][2:])
+    # The other arms: only an EAGLE arm's drafter weights, null (its drafter's own).
+    assert [app.get("deployments") for app in document["applications"][2:]] == [
+        None,
+        [{"name": "arm-eagle3", "user_config": {"drafter_weights": None}}],
+        [{"name": "arm-eagle3.1", "user_config": {"drafter_weights": None}}],
+    ]
+
+
+def test_an_eagle_arms_drafter_weights_render_as_its_user_config_not_its_args():
+    """Ray Serve hands `user_config` to the running replicas (ArmServer.reconfigure), which load
+    the weights in place; in the args they would restart the engines."""
+    document, expected = _serve_configs_with_arm(
+        3, {"drafter_weights": "/drafters/eagle3.1-0123456789ab", "replicas": 2}
+    )
+    assert document == expected
+    app = document["applications"][4]
+    assert app["deployments"] == [
+        {
+            "name": "arm-eagle3.1",
+            "num_replicas": 2,
+            "user_config": {"drafter_weights": "/drafters/eagle3.1-0123456789ab"},
+        }
+    ]
+    assert "drafter_weights" not in app["args"]["arm"]
 
 
 def test_every_ray_container_loads_the_dispatch_into_its_http_proxy(rendered):

@@ -2,12 +2,15 @@
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from specserve.drafter.model import Drafter
 from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
@@ -28,17 +31,36 @@ def test_shipped_drafter_is_small_and_in_vllm_format(name, is_31):
     assert model.config.draft_vocab_size == int(model.t2d.sum())
 
 
+def noisy_copy(drafter: Path, out: Path) -> Path:
+    """`drafter` with noise on every weight matrix: the same tensors, other weights."""
+    out.mkdir()
+    shutil.copy(drafter / "config.json", out)
+    tensors = load_file(drafter / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if tensor.ndim == 2 and name != "lm_head.weight":
+            noise = torch.randn(tensor.shape, generator=generator) * tensor.float().std()
+            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
 @pytest.fixture(scope="module")
 def in_vllm(tmp_path_factory) -> dict:
     """vllm_compare.py's result for the embedded target, plain and with each shipped drafter at
     k = 3: greedy chats of 48 tokens, then 200 samples of 6 tokens from the same engines (the
-    samples are half the fixture's time: ~50 s an engine on a CPU without bf16)."""
-    out = tmp_path_factory.mktemp("compare") / "compare.json"
+    samples are half the fixture's time: ~50 s an engine on a CPU without bf16). Also a noisy
+    copy of EAGLE-3, whose weights the EAGLE-3 engine then loads in place and back."""
+    work = tmp_path_factory.mktemp("compare")
+    out = work / "compare.json"
+    noisy = noisy_copy(PACKAGED_DRAFTERS_DIR / "eagle3", work / "noisy")
     target = resolve_model_source("embedded://SmolLM2-135M-Instruct")
     drafters = [f"{name}={PACKAGED_DRAFTERS_DIR / name}" for name in SHIPPED]
-    command = [sys.executable, str(VLLM_COMPARE), target, str(out), *drafters, "--k", "3"]
-    command += ["--chat", "--max-tokens", "48", "--sample", "200", "--sample-tokens", "6"]
-    subprocess.run(command, check=True, timeout=1200)
+    command = [sys.executable, str(VLLM_COMPARE), target, str(out), *drafters, f"noisy={noisy}"]
+    command += ["--k", "3", "--chat", "--max-tokens", "48", "--sample", "200"]
+    command += ["--sample-tokens", "6", "--reload", f"eagle3={noisy}"]
+    command += ["--misfit", str(PACKAGED_DRAFTERS_DIR / "eagle3.1")]
+    subprocess.run(command, check=True, timeout=1500)
     return json.loads(out.read_text())
 
 
@@ -47,6 +69,24 @@ def test_shipped_drafters_are_lossless_in_float32(in_vllm):
     for name in SHIPPED:
         assert in_vllm[name] == in_vllm["plain"], f"{name} changed greedy float32 output"
         assert in_vllm[name + "_accepted"] > 0, f"{name} had no draft accepted"
+
+
+@pytest.mark.ray
+def test_a_running_engine_loads_other_drafter_weights_as_a_fresh_engine_would(in_vllm):
+    """A promotion without a restart (engine/drafter_reload.py): the EAGLE-3 engine, loaded
+    in place with a noisy copy's weights, drafts and accepts exactly what an engine started
+    with that copy does; its own weights back, what it did before; the target untouched."""
+    drafted = {k: (in_vllm[f"{k}_drafts"], in_vllm[f"{k}_accepted"]) for k in REUSED_KEYS}
+    assert drafted["noisy"][1] < drafted["eagle3"][1], drafted  # other weights, other drafts
+    assert drafted["eagle3_reloaded"] == drafted["noisy"], drafted
+    assert drafted["eagle3_restored"] == drafted["eagle3"], drafted
+    for key in REUSED_KEYS:
+        assert in_vllm[key] == in_vllm["plain"], f"{key} changed greedy float32 output"
+    # A checkpoint with other tensors (EAGLE-3.1's norms) is refused before anything is loaded.
+    assert "does not fit" in in_vllm["eagle3_misfit"] and "fc_norm" in in_vllm["eagle3_misfit"]
+
+
+REUSED_KEYS = ("eagle3", "noisy", "eagle3_reloaded", "eagle3_restored")
 
 
 def total_variation(a: list, b: list) -> float:

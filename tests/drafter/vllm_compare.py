@@ -6,8 +6,11 @@ Greedy over a few fixed prompts: writes {name: token id lists, name + "_drafts":
 name + "_accepted": accepted tokens}, the plain target under "plain". With `--sample N`, the
 same engines then also draw N samples at temperature 1 of one chat prompt (name + "_samples"):
 the material for a two-sample test that speculation leaves the output distribution unchanged.
-One engine per drafter serves both, since starting engines is most of the time. A script, not a
-test, because vLLM's LLM must start under __main__.
+One engine per drafter serves both, since starting engines is most of the time. With `--reload
+NAME=DIR`, NAME's engine then loads DIR's weights in place (engine/drafter_reload.py) and runs
+the greedy prompts again (NAME + "_reloaded"), then its own weights back (NAME + "_restored");
+with `--misfit DIR` it is first asked to load a checkpoint that does not fit (the error under
+NAME + "_misfit"). A script, not a test, because vLLM's LLM must start under __main__.
 """
 
 import argparse
@@ -40,6 +43,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from specserve.drafter.data import shutdown
+    from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION
 
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
@@ -50,10 +54,27 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
     parser.add_argument("--sample", type=int, metavar="N", help="also N samples at temperature 1")
     parser.add_argument("--sample-tokens", type=int, default=6, help="tokens per sample")
+    parser.add_argument("--reload", metavar="NAME=DIR", help="load DIR into NAME's engine")
+    parser.add_argument("--misfit", metavar="DIR", help="a checkpoint --reload must refuse")
     args = parser.parse_args()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = [("plain", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
+    reload_into, reload_from = args.reload.split("=", 1) if args.reload else (None, None)
     result = {}
+
+    def greedy_run(llm, key: str) -> None:
+        """The greedy prompts: their tokens, and the drafts and accepted tokens of this run."""
+        before = counters(llm)
+        if args.chat:
+            chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+            outputs = llm.chat(chats, greedy, use_tqdm=False)
+        else:
+            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        result[key] = [list(o.outputs[0].token_ids) for o in outputs]
+        after = counters(llm)
+        for counter in ("drafts", "accepted"):
+            result[f"{key}_{counter}"] = after[counter] - before[counter]
+
     for name, path in runs:
         spec = path and {"method": "eagle3", "model": path, "num_speculative_tokens": args.k}
         llm = LLM(
@@ -66,16 +87,19 @@ def main() -> None:
             # decoding ("CPU Generator does not use offset").
             seed=0,
             speculative_config=spec,
+            worker_extension_cls=WORKER_EXTENSION if spec else "",
         )
-        if args.chat:
-            chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-            outputs = llm.chat(chats, greedy, use_tqdm=False)
-        else:
-            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-        result[name] = [list(o.outputs[0].token_ids) for o in outputs]
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        result[name + "_drafts"] = metrics.get("vllm:spec_decode_num_drafts", 0)
-        result[name + "_accepted"] = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+        greedy_run(llm, name)
+        if name == reload_into:
+            if args.misfit:
+                try:
+                    llm.collective_rpc(RELOAD_DRAFTER, args=(args.misfit, path))
+                except Exception as exc:
+                    result[name + "_misfit"] = str(exc)
+            llm.collective_rpc(RELOAD_DRAFTER, args=(reload_from, path))
+            greedy_run(llm, name + "_reloaded")
+            llm.collective_rpc(RELOAD_DRAFTER, args=(path, path))
+            greedy_run(llm, name + "_restored")
         if args.sample:
             sample = SamplingParams(temperature=1.0, max_tokens=args.sample_tokens, ignore_eos=True)
             outputs = llm.chat([SAMPLE_CHAT] * args.sample, sample, use_tqdm=False)
@@ -85,6 +109,14 @@ def main() -> None:
         gc.collect()  # the engine's KV cache goes before the next one is allocated
     with open(args.out, "w") as f:
         json.dump(result, f)
+
+
+def counters(llm) -> dict[str, int]:
+    metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    return {
+        "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
+        "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+    }
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ import pytest
 from specserve.config.changes import diff_configs
 from specserve.config.schema import parse_config
 from specserve.config.serve_config import (
+    application_change,
     application_changes,
     arm_app_name,
+    arm_applications,
+    arm_of_application,
     merge_arm_applications,
     serve_config,
 )
@@ -89,6 +92,15 @@ CASES = [
         {"eagle3.1": "removed", "ngram-k5": "restart"},
     ),
     (
+        "an EAGLE arm's drafter weights (loaded by the running engines)",
+        edit(
+            DEFAULT,
+            "  - name: eagle3.1\n    weight: 25\n",
+            "  - name: eagle3.1\n    weight: 25\n    drafter_weights: /drafters/e-0123\n",
+        ),
+        {"eagle3.1": "in place"},
+    ),
+    (
         "the model",
         edit(DEFAULT, "max_model_len: 4096", "max_model_len: 2048"),
         {"no-spec": "restart", "ngram": "restart", "eagle3": "restart", "eagle3.1": "restart"},
@@ -125,7 +137,7 @@ def apply_does(old: str, new: str) -> dict[str, str]:
         arm_app_name(a.name): a.name for a in [*parse_config(old).arms, *parse_config(new).arms]
     }
     found = {arms[app]: "restart" for app in changes.redeployed}
-    found |= {arms[app]: "in place" for app in changes.rescaled}
+    found |= {arms[app]: "in place" for app in (*changes.rescaled, *changes.reloaded)}
     found |= {arms[app]: "removed" for app in changes.removed}
     if not changes:
         assert merged == document  # nothing changed: nothing is written
@@ -164,3 +176,24 @@ def test_an_in_place_change_keeps_the_running_engine_arguments():
     assert after["args"] == before["args"]
     assert after["deployments"][0]["num_replicas"] == 2
     assert application_changes(document, merged).rescaled == ("arm-ngram",)
+
+
+def test_drafter_weights_reach_the_running_engines_as_user_config_and_read_back():
+    """Set, changed or dropped, `drafter_weights` changes the arm's `user_config` only (Ray
+    Serve reconfigures the running replicas); dropped, it is null, which tells the replicas to
+    load their own drafter's weights back."""
+    new = CASES[-2][1]
+    old_app, new_app = (
+        arm_applications(serve_config(parse_config(text)))["arm-eagle3.1"]
+        for text in (DEFAULT, new)
+    )
+    assert old_app["args"] == new_app["args"]
+    assert old_app["deployments"][0]["user_config"] == {"drafter_weights": None}
+    assert new_app["deployments"][0]["user_config"] == {"drafter_weights": "/drafters/e-0123"}
+    _, arm = arm_of_application(new_app)
+    assert arm.drafter_weights == "/drafters/e-0123"
+    change = application_change(new_app, old_app)
+    assert change.kind == "in place" and change.in_place == ("drafter_weights",)
+    assert diff_configs(parse_config(DEFAULT), parse_config(new)) == [
+        "~ arm eagle3.1 drafter_weights changed (applied to the running engines)"
+    ]

@@ -1,5 +1,7 @@
 """Engine settings are checked with vLLM's own argument parser before anything is deployed."""
 
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,34 @@ def test_a_missing_drafter_directory_matters_only_where_the_engines_run(tmp_path
     ]
     for spec in [missing, *hub_and_package]:
         assert engine_problems(config_with({}, spec), engines_run_here=True) == []
+
+
+def test_drafter_weights_must_have_the_tensors_of_the_arms_drafter(tmp_path):
+    """Weights the running engines could not load are refused before the config applies
+    (where both checkpoints can be read here); the engines would log and ignore them."""
+    eagle3 = {"method": "eagle3", "model": "package://eagle3", "num_speculative_tokens": 1}
+    fitting = tmp_path / "adapted"
+    shutil.copytree(models.resolve_drafter_source("package://eagle3"), fitting)
+
+    def problems(weights: str, *, here: bool = True) -> list[str]:
+        arm = {"name": "a", "weight": 1, "speculative": eagle3, "drafter_weights": weights}
+        config = RouterConfig.model_validate({"model": {"name": "m", "source": "s"}, "arms": [arm]})
+        return engine_problems(config, engines_run_here=here)
+
+    assert problems("package://eagle3") == [] and problems(str(fitting)) == []
+    (misfit,) = problems("package://eagle3.1")  # EAGLE-3.1's norms: other tensors
+    assert misfit.startswith("arm 'a': drafter_weights: ") and "adds fc_norm.0.weight" in misfit
+    assert problems(str(tmp_path / "nope")) == [
+        f"arm 'a': drafter_weights: directory {tmp_path / 'nope'} does not exist"
+    ]
+    assert problems(str(tmp_path / "nope"), here=False) == []  # a path in the cluster's pods
+    for wrong, says in (
+        ({"method": "none"}, "replaces an EAGLE drafter's weights"),
+        (eagle3, "an absolute directory or `package://NAME`"),
+    ):
+        arm = {"name": "a", "weight": 1, "speculative": wrong, "drafter_weights": "relative/dir"}
+        with pytest.raises(ValueError, match=re.escape(says)):
+            RouterConfig.model_validate({"model": {"name": "m", "source": "s"}, "arms": [arm]})
 
 
 def test_the_watcher_keeps_the_last_good_config_over_a_bad_engine_setting(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -19,8 +20,10 @@ import yaml
 from specserve import loop
 from specserve.ab.prometheus import PrometheusError
 from specserve.ab.report import KEEP_TESTING, PROMOTE, ROLL_BACK
+from specserve.config.changes import ArmChanges, arm_changes
 from specserve.config.local_store import LocalStore
 from specserve.config.schema import parse_config, revision_of
+from specserve.models import resolve_drafter_source
 
 DEFAULT = Path(loop.__file__).parent / "configs" / "default.yaml"
 CANDIDATE = Path("/drafters/eagle3.1-0123456789ab")
@@ -64,7 +67,7 @@ def test_the_challenger_is_the_incumbent_with_the_candidate_at_its_share_of_its_
     assert loop.LEFT_OUT_KEY in type(left.routing).model_fields
     assert left.routing.ab_left_out_prompts == trained
     assert config.routing.ab_left_out_prompts == frozenset()
-    for _, after in (
+    for _, after, *_ in (
         loop.without(text_out, name, "eagle3.1"),
         loop.promoted(text_out, "eagle3.1", name),
     ):
@@ -81,12 +84,43 @@ def test_promotion_gives_the_incumbent_the_drafter_and_removal_restores_the_arms
     live = DEFAULT.read_text()
     for share in (0.5, 0.1, 0.3):
         text, _, name = loop.with_challenger(live, "eagle3.1", CANDIDATE, share=share)
-        promoted, _ = loop.promoted(text, "eagle3.1", name)
+        promoted, _, in_place = loop.promoted(text, "eagle3.1", name)
         after = arms(promoted)
+        # A candidate that cannot be read here: the incumbent restarts with it as its drafter.
+        assert not in_place and "drafter_weights" not in after["eagle3.1"]
         assert name not in after and after["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
         assert after["eagle3.1"]["weight"] == arms(live)["eagle3.1"]["weight"]
         removed, _ = loop.without(text, name, "eagle3.1")
         assert arms(removed) == arms(live)
+
+
+def test_a_candidate_with_the_incumbents_tensors_is_promoted_as_weights_loaded_in_place(
+    tmp_path,
+):
+    """One trained from the incumbent's drafter: the running engines load its weights (no
+    restart, engine/drafter_reload.py); the challenger runs the candidate's own weights, even
+    after an earlier promotion gave the incumbent other ones."""
+    live = DEFAULT.read_text()
+    drafter = arms(live)["eagle3.1"]["speculative"]["model"]
+    fitting = tmp_path / "eagle3.1-00000000000a"
+    shutil.copytree(resolve_drafter_source(drafter), fitting)
+    text, _, name = loop.with_challenger(live, "eagle3.1", fitting, share=0.5)
+    promoted, config, in_place = loop.promoted(text, "eagle3.1", name)
+    after = arms(promoted)["eagle3.1"]
+    assert in_place and after["drafter_weights"] == str(fitting)
+    assert after["speculative"] == arms(live)["eagle3.1"]["speculative"]  # no restart
+    changes = ArmChanges.of(arm_changes(parse_config(live), config))
+    assert changes.reloaded == ("eagle3.1",) and not changes.redeployed, changes
+    # The next loop's challenger: the next candidate's weights, not the promoted ones.
+    text, _, name = loop.with_challenger(promoted, "eagle3.1", CANDIDATE, share=0.5)
+    assert "drafter_weights" not in arms(text)[name]
+    # A candidate with other tensors (EAGLE-3 into an EAGLE-3.1 arm) restarts the engines.
+    other = tmp_path / "eagle3-00000000000b"
+    shutil.copytree(resolve_drafter_source("package://eagle3"), other)
+    text, _, name = loop.with_challenger(promoted, "eagle3.1", other, share=0.5)
+    again, _, in_place = loop.promoted(text, "eagle3.1", name)
+    assert not in_place and arms(again)["eagle3.1"]["speculative"]["model"] == str(other)
+    assert "drafter_weights" not in arms(again)["eagle3.1"]
 
 
 class Scripted:
@@ -142,10 +176,12 @@ def test_a_faster_challenger_is_promoted_in_two_revisions_that_rollback_undoes(t
     assert report["outcome"] == loop.PROMOTED and len(report["rows"]) == 3
     assert [s["what"].split(":")[0] for s in report["steps"]] == [
         "challenger eagle3.1-0123456789ab added",
-        "eagle3.1 takes eagle3.1-0123456789ab's drafter; eagle3.1-0123456789ab removed",
+        "eagle3.1 takes eagle3.1-0123456789ab's drafter (its engines restarted); "
+        "eagle3.1-0123456789ab removed",
     ]
     live = arms(local.live_text())
     assert live["eagle3.1"]["speculative"]["model"] == str(CANDIDATE)
+    assert "engines restarted" in report["steps"][1]["what"]
     assert len(local.records()) == 3  # the original, the challenger's, the promotion's
     local.rollback()
     local.rollback(to=revision_of(original.encode()))

@@ -266,6 +266,11 @@ args (ArmEngineConfig refuses them): the list is generated from config/schema.py
 {{- range $key, $option := dict "replicas" "num_replicas" "max_ongoing_requests" "max_ongoing_requests" "max_queued_requests" "max_queued_requests" "max_surge_percent" "max_surge_percent" }}
 {{- if hasKey $arm $key }}{{- $_ := set $options $option (get $arm $key) }}{{- end }}
 {{- end }}
+{{- /* An EAGLE arm's drafter weights as its user_config, null included (ArmConfig.deployment_options):
+its running engines load them in place. */}}
+{{- if eq (dig "speculative" "method" "none" $arm) "eagle3" }}
+{{- $_ := set $options "user_config" (dict "drafter_weights" (index $arm "drafter_weights")) }}
+{{- end }}
 {{- if $options }}{{- $_ := set $app "deployments" (list (merge (dict "name" (printf "arm-%s" .name)) $options)) }}{{- end }}
 {{- $apps = append $apps $app }}
 {{- end }}

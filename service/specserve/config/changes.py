@@ -14,6 +14,7 @@ from typing import Literal
 
 from specserve.config.schema import (
     DEPLOYMENT_OPTIONS,
+    RELOADED_IN_PLACE,
     ROUTER_SIDE,
     ArmConfig,
     ArmEngineConfig,
@@ -31,9 +32,10 @@ class ArmChange:
 
     - `restart`: its engine changes (the model, `speculative`, `engine`, `env`, ...): Ray Serve
       starts new engine replicas (`restart` names the keys, `model` first when it changed);
-    - `in place`: only its weight or capture (live, in the router) or its replicas and queue
-      bounds (`DEPLOYMENT_OPTIONS`, applied to the running engines) change (`in_place` names
-      those but the weight);
+    - `in place`: only its weight or capture (live, in the router), its replicas and queue
+      bounds (`DEPLOYMENT_OPTIONS`, applied to the running engines) or its drafter weights
+      (`RELOADED_IN_PLACE`, loaded by the running engines) change (`in_place` names those but
+      the weight);
     - `unchanged`, `added`, `removed`.
 
     `specserve config diff` and `config apply` both classify with `arm_change`."""
@@ -59,10 +61,11 @@ def arm_change(name: str, old: ArmSide | None, new: ArmSide | None) -> ArmChange
     before = old_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
     after = new_arm.model_dump(mode="json", exclude=set(ROUTER_SIDE))
     changed = [key for key in after if before.get(key) != after[key]]
-    restart = tuple(key for key in changed if key not in DEPLOYMENT_OPTIONS)
+    live = {*DEPLOYMENT_OPTIONS, *RELOADED_IN_PLACE}
+    restart = tuple(key for key in changed if key not in live)
     if old_model != new_model:
         restart = ("model", *restart)
-    in_place = tuple(key for key in changed if key in DEPLOYMENT_OPTIONS)
+    in_place = tuple(key for key in changed if key in live)
     # Like the weight, the capture counts where both sides have one (a running engine has none).
     both = isinstance(old_arm, ArmConfig) and isinstance(new_arm, ArmConfig)
     if both and old_arm.capture != new_arm.capture:  # type: ignore[attr-defined]
@@ -88,14 +91,16 @@ def arm_changes(old: RouterConfig, new: RouterConfig) -> list[ArmChange]:
 @dataclass(frozen=True)
 class ArmChanges:
     """The engines a switch touches: arms Ray Serve redeploys (new, or a changed engine),
-    rescales in place (only replica or queue settings changed) and deletes."""
+    rescales in place (only replica or queue settings changed), whose running engines load
+    other drafter weights, and deletes."""
 
     redeployed: tuple[str, ...] = ()
     rescaled: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    reloaded: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.redeployed or self.rescaled or self.removed)
+        return bool(self.redeployed or self.rescaled or self.removed or self.reloaded)
 
     @classmethod
     def of(cls, changes: Iterable[ArmChange]) -> ArmChanges:
@@ -109,12 +114,22 @@ class ArmChanges:
                 if c.kind == "in place" and any(k in DEPLOYMENT_OPTIONS for k in c.in_place)
             ),
             removed=tuple(c.name for c in changes if c.kind == "removed"),
+            reloaded=tuple(
+                c.name
+                for c in changes
+                if c.kind == "in place" and any(k in RELOADED_IN_PLACE for k in c.in_place)
+            ),
         )
 
     def describe(self) -> str:
         """`redeploys a, b; rescales c in place; deletes d`."""
         what = [f"redeploys {', '.join(self.redeployed)}"] if self.redeployed else []
         what += [f"rescales {', '.join(self.rescaled)} in place"] if self.rescaled else []
+        what += (
+            [f"reloads the drafter weights of {', '.join(self.reloaded)} in place"]
+            if self.reloaded
+            else []
+        )
         what += [f"deletes {', '.join(self.removed)}"] if self.removed else []
         return "; ".join(what)
 

@@ -6,7 +6,8 @@ arm's engine, minutes later and after the old engine is gone. vLLM's own command
 checks each setting exactly as `vllm serve` would, without loading a model, so the same check
 runs on a laptop for a GPU config. A packaged drafter (`package://NAME`) must be one shipped
 inside the package's drafters directory; where the engines run on this machine (`specserve
-serve`), drafter directories must exist, too.
+serve`), drafter directories must exist, too. Drafter weights to load in place
+(`drafter_weights`) must have the tensors of the arm's drafter, where both can be read here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from argparse import Action, ArgumentParser, BooleanOptionalAction
 from pathlib import Path
 from typing import Any
 
+from specserve import drafter_checkpoint
 from specserve.config.schema import PACKAGE_SCHEME, ConfigError, RouterConfig
 from specserve.models import ModelError, resolve_drafter_source
 
@@ -89,7 +91,29 @@ def engine_problems(config: RouterConfig, *, engines_run_here: bool = False) -> 
                 problems.append(f"arm {arm.name!r}: {exc}")
         if engines_run_here and model and _names_a_directory(model) and not Path(model).is_dir():
             problems.append(f"arm {arm.name!r}: drafter directory {model} does not exist")
+        if arm.drafter_weights is not None and model:
+            misfit = _weights_misfit(arm.drafter_weights, model, engines_run_here)
+            if misfit:
+                problems.append(f"arm {arm.name!r}: drafter_weights: {misfit}")
     return problems
+
+
+def _weights_misfit(weights: str, model: str, engines_run_here: bool) -> str | None:
+    """Why `weights` cannot be loaded into the drafter of `model`, where both can be read here
+    (a packaged drafter always can; directories, where the engines run on this machine)."""
+    try:
+        paths = [resolve_drafter_source(source) for source in (weights, model)]
+    except ModelError as exc:
+        return str(exc)
+    readable = [
+        source.startswith(PACKAGE_SCHEME) or (engines_run_here and _names_a_directory(source))
+        for source in (weights, model)
+    ]
+    if not readable[0] or not readable[1]:
+        return None  # read where the engines run: a misfit is logged there, and nothing loaded
+    if not Path(paths[0]).is_dir():
+        return f"directory {weights} does not exist"
+    return drafter_checkpoint.misfit(paths[0], paths[1])
 
 
 def check_engine_settings(

@@ -74,6 +74,10 @@ DEPLOYMENT_OPTIONS = {
     "max_queued_requests": "max_queued_requests",
     "max_surge_percent": "max_surge_percent",
 }
+# An arm's settings its running engine replicas take in place: Ray Serve hands them to each
+# replica as the deployment's `user_config` (engine/front.py, `ArmServer.reconfigure`), without
+# building the application again or restarting an engine.
+RELOADED_IN_PLACE = ("drafter_weights",)
 # vLLM's own `max_num_seqs` default: what an engine batches when the arm does not say.
 DEFAULT_MAX_NUM_SEQS = 256
 # Keys that moved; the error for an old key names its replacement.
@@ -316,6 +320,14 @@ class ArmEngineConfig(_Strict):
         "serve until their replacements run (no downtime, if the cluster has room for them); "
         "with 0 they stop first.",
     )
+    drafter_weights: str | None = Field(
+        None,
+        description="A drafter checkpoint with the tensors of `speculative.model`'s (the same "
+        "names and shapes, e.g. one `specserve drafter adapt` trained from it), whose weights "
+        "the running engines load in place, without a restart; null: `speculative.model`'s "
+        "own. A directory on the engines' nodes or `package://NAME`. `specserve loop` promotes "
+        "a candidate this way.",
+    )
     allow_code_loading: CodeLoadingOptIn = Field(
         default_factory=CodeLoadingOptIn,
         description="Engine settings and environment variables outside the allow-lists that "
@@ -392,6 +404,27 @@ class ArmEngineConfig(_Strict):
         return env
 
     @model_validator(mode="after")
+    def _drafter_weights_fit_an_eagle_arm(self) -> ArmEngineConfig:
+        weights = self.drafter_weights
+        if weights is None:
+            return self
+        if self.speculative.method != "eagle3":
+            raise ValueError(
+                "`drafter_weights` replaces an EAGLE drafter's weights: this arm has none"
+            )
+        if weights.startswith(PACKAGE_SCHEME):
+            if not PACKAGED_DRAFTER_NAME.match(weights.removeprefix(PACKAGE_SCHEME)):
+                raise ValueError(
+                    f"`drafter_weights: {weights}`: a packaged drafter is named by its directory"
+                )
+        elif not weights.startswith("/"):
+            raise ValueError(
+                f"`drafter_weights: {weights}`: an absolute directory or `package://NAME` (the "
+                "engines read it in place; a hub repository goes in `speculative.model`)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _opt_ins_name_what_is_set(self) -> ArmEngineConfig:
         # An opt-in stays beside the setting it allows: a stale one would allow that setting
         # silently the next time someone adds it.
@@ -464,13 +497,21 @@ class ArmConfig(ArmEngineConfig):
         """The engine part as plain data, only the keys the config sets (for the Serve config:
         a default that changes upstream must not redeploy an arm nobody touched)."""
         return self.model_dump(
-            mode="json", exclude_unset=True, exclude={*ROUTER_SIDE, *DEPLOYMENT_OPTIONS}
+            mode="json",
+            exclude_unset=True,
+            exclude={*ROUTER_SIDE, *DEPLOYMENT_OPTIONS, *RELOADED_IN_PLACE},
         )
 
     def deployment_options(self) -> dict[str, Any]:
-        """The replica and queue settings the config sets, as Ray Serve deployment options."""
+        """The replica and queue settings the config sets, as Ray Serve deployment options, and
+        an EAGLE arm's drafter weights as its `user_config` (always there, null included: a
+        replica is told to go back to its own drafter's weights, as Ray Serve calls no
+        `reconfigure` once `user_config` is gone)."""
         found = self.model_dump(mode="json", exclude_unset=True, include=set(DEPLOYMENT_OPTIONS))
-        return {DEPLOYMENT_OPTIONS[key]: value for key, value in found.items()}
+        options = {DEPLOYMENT_OPTIONS[key]: value for key, value in found.items()}
+        if self.speculative.method == "eagle3":
+            options["user_config"] = {key: getattr(self, key) for key in RELOADED_IN_PLACE}
+        return options
 
 
 # A request's prompt digest (wire/requests.py): 16 hex digits.

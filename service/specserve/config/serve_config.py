@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from specserve.config.changes import ArmChange, ArmChanges, ArmSide, arm_change
 from specserve.config.schema import (
     DEPLOYMENT_OPTIONS,
+    RELOADED_IN_PLACE,
     ArmConfig,
     ArmEngineConfig,
     ModelConfig,
@@ -219,6 +220,10 @@ def arm_of_application(app: dict[str, Any]) -> ArmSide | None:
         for key, option in DEPLOYMENT_OPTIONS.items()
         if option in deployment
     }
+    for deployment in app.get("deployments") or []:
+        user_config = deployment.get("user_config")
+        if isinstance(user_config, dict):
+            options.update({k: user_config[k] for k in RELOADED_IN_PLACE if k in user_config})
     try:
         model = ModelConfig.model_validate(args[MODEL_ARG])
         return model, ArmEngineConfig.model_validate({**args[ARM_ARG], **options})

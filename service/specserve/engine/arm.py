@@ -28,7 +28,7 @@ from specserve.config.serve_config import (
     MODEL_ARG,
     arm_app_name,
 )
-from specserve.engine import vllm_fixes
+from specserve.engine import drafter_reload, vllm_fixes
 from specserve.engine.front import ArmServer
 from specserve.engine.node_init import SkipNodeInitWithoutBucket
 from specserve.hardware import fast_dtype
@@ -105,6 +105,8 @@ def engine_kwargs(arm: ArmEngineConfig, model: ModelConfig) -> dict[str, Any]:
         engine_kwargs.pop("per_request_spec_decode_metrics", None)
     else:
         engine_kwargs["speculative_config"] = spec
+        if spec["method"] == "eagle3":  # its drafter's weights can be swapped in place
+            engine_kwargs["worker_extension_cls"] = drafter_reload.WORKER_EXTENSION
         if "num_speculative_tokens_per_batch_size" in spec and (
             "per_request_spec_decode_metrics" not in arm.engine
         ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,9 +28,12 @@ from ray.serve.llm import LLMConfig, LLMServer
 from specserve import headers
 from specserve.capture.store import Bounds, CaptureWriter, Sampled
 from specserve.capture.tap import Tap, sampling_of
+from specserve.config.schema import RELOADED_IN_PLACE
 from specserve.config.settings import get_settings
+from specserve.engine.drafter_reload import RELOAD_DRAFTER, local_checkpoint
 from specserve.engine.serve_log import keep_serve_log_targets
 from specserve.metrics import CaptureMetrics
+from specserve.models import resolve_drafter_source
 from specserve.wire.arm_calls import serve_app
 from specserve.wire.errors import (
     MID_STREAM_FAILURE,
@@ -51,6 +55,7 @@ _SSE_DONE = SSE_DONE.strip()
 VLLM_APP_PREFIX = "/vllm"
 # A request that reaches the arm without the dispatch's time limit (an exposed arm's own route).
 DEFAULT_TIMEOUT_S = 600.0
+(DRAFTER_WEIGHTS,) = RELOADED_IN_PLACE  # the key of the arm's `user_config`
 
 
 class ArmServer(LLMServer):
@@ -62,8 +67,39 @@ class ArmServer(LLMServer):
         self.model = llm_config.model_id
         self._capture_writer: CaptureWriter | None = None
         self._front: FastAPI | None = None  # built by Ray Serve's ingress, before any request
+        spec = llm_config.engine_kwargs.get("speculative_config") or {}
+        # The drafter checkpoint the engine started with, and the one whose weights it runs.
+        self._drafter = self._drafter_weights = spec.get("model") if spec else None
         with keep_serve_log_targets():  # the engine's start closes the replica's log handlers
             await super().__init__(llm_config)
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Ray Serve's in-place update of the running replica (its `user_config`, which
+        `ArmConfig.deployment_options` writes): the drafter weights to run, loaded into the
+        running engine between two of its steps (engine/drafter_reload.py). A failed load is
+        logged and the engine serves on with the weights it had: failing here would make Ray
+        Serve replace the replica, engine and all."""
+        wanted = user_config.get(DRAFTER_WEIGHTS)
+        if self._drafter is None:
+            return
+        try:
+            path = resolve_drafter_source(wanted) if wanted else self._drafter
+            if path == self._drafter_weights:
+                return
+            started = time.monotonic()
+            await self.collective_rpc(RELOAD_DRAFTER, args=(path, local_checkpoint(self._drafter)))
+        except Exception as exc:
+            logger.error(
+                "arm %s: drafter weights %s not loaded (%s); the engine keeps %s",
+                self.arm,
+                wanted,
+                exc,
+                self._drafter_weights,
+            )
+            return
+        self._drafter_weights = path
+        took = time.monotonic() - started
+        logger.info("arm %s: drafter weights %s loaded in %.1f s", self.arm, path, took)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title=f"specserve arm {self.arm}", docs_url=None, openapi_url=None)

@@ -32,7 +32,8 @@ def test_shipped_drafter_is_small_and_in_vllm_format(name, is_31):
 
 
 def noisy_copy(drafter: Path, out: Path) -> Path:
-    """`drafter` with noise on every weight matrix: the same tensors, other weights."""
+    """`drafter` with noise on every weight matrix and half its draft vocabulary mapped to
+    other target tokens (`d2t`, a buffer, not a parameter): the same tensors, other values."""
     out.mkdir()
     shutil.copy(drafter / "config.json", out)
     tensors = load_file(drafter / "model.safetensors")
@@ -41,6 +42,11 @@ def noisy_copy(drafter: Path, out: Path) -> Path:
         if tensor.ndim == 2 and name != "lm_head.weight":
             noise = torch.randn(tensor.shape, generator=generator) * tensor.float().std()
             tensors[name] = (tensor.float() + noise).to(tensor.dtype)
+    draft = torch.arange(tensors["d2t"].numel())
+    target = draft + tensors["d2t"]
+    half = draft[::2]
+    target[half] = target[half[torch.randperm(half.numel(), generator=generator)]]
+    tensors["d2t"] = target - draft
     save_file(tensors, out / "model.safetensors")
     return out
 

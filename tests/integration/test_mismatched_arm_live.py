@@ -13,8 +13,10 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
   shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B on
   live traffic, and the revision that ends it (a promotion into the arm, or its removal).
 
-Between the first two only weights and the guardrail change, which the router applies live: the
-arm's engine starts once (a promotion by the loop restarts it; the loop's test runs last)."""
+- Drafter weights loaded into the arm's running engine and back (`drafter_weights`).
+
+Between the first two only weights and the guardrail change, which the router applies live, and
+the third loads weights into the running engine: the arm's engine starts once."""
 
 import concurrent.futures as cf
 import hashlib
@@ -56,6 +58,7 @@ from specserve.models import resolve_drafter_source
 from specserve.readiness import running
 from specserve.router.selection import sticky_arm
 from tests.conftest import ADMIN_KEY, MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
+from tests.integration.serving import replica_actors, steady_traffic
 
 CHAT = "/v1/chat/completions"
 ARM = MISMATCHED
@@ -282,6 +285,58 @@ def check_drain_and_return(live, with_arm: str) -> None:
     assert routers_draining(live, ARM) == 0
 
 
+# -- drafter weights loaded in place --------------------------------------------------------
+
+
+def forced_acceptance(live, n: int = 4) -> float:
+    """Mean acceptance length of `n` greedy requests forced to the arm."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about the moon."}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
+    lengths = []
+    for _ in range(n):
+        response = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: ARM})
+        assert response.status_code == 200, response.text
+        lengths.append(mean_acceptance_length(response))
+    return sum(lengths) / n
+
+
+def test_drafter_weights_are_loaded_by_the_running_engine_and_back(live, mismatched_arm):
+    """`drafter_weights` reaches the arm's running replica as its Serve `user_config`: the
+    shipped EAGLE-3's weights, loaded into the engine started with the mismatched copy, make
+    its drafts right, and dropping the key loads the copy's own back; the same replica actor
+    serves throughout, and steady traffic to the arm is answered while the weights change."""
+    original = live.config_path.read_text()
+    actors = replica_actors(arm_app_name(ARM))
+    assert actors
+    named = MISMATCHED_ARM.splitlines()[0] + "\n"
+    with_weights = original.replace(named, named + '    drafter_weights: "package://eagle3"\n', 1)
+    assert with_weights != original
+    before = forced_acceptance(live)
+    try:
+        with steady_traffic(live, ARM) as statuses:
+            live.write_config(with_weights)
+            live.platform.deploy(load_config(live.config_path))  # what `specserve serve` does
+            live.platform.wait_until_running(timeout_s=120)
+        loaded = forced_acceptance(live)
+    finally:
+        live.write_config(original)
+        live.platform.deploy(load_config(live.config_path))
+        live.platform.wait_until_running(timeout_s=120)
+    back = forced_acceptance(live)
+    print(
+        f"{ARM}: acceptance length {before:.2f}, with EAGLE-3's weights {loaded:.2f}, back "
+        f"{back:.2f}; {len(statuses)} requests while they loaded"
+    )
+    assert before < 1.1 and back < 1.1  # the shuffled vocabulary projection: wrong drafts
+    assert loaded > 1.3  # the shipped drafter's guesses
+    assert replica_actors(arm_app_name(ARM)) == actors  # no engine restarted
+    assert statuses and set(statuses) == {200}
+
+
 # -- `specserve loop` -----------------------------------------------------------------------
 
 
@@ -484,10 +539,13 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
     assert acceptance and acceptance["mean"] > 1.2, ended  # a drafter that guesses right
     arms = {arm.name: arm for arm in after.arms}
     assert candidate.name not in arms  # the challenger is gone whatever the outcome
-    incumbent = arms[ARM].speculative.model
+    # The candidate has the tensors of the arm's drafter: a promotion loads it in place.
+    assert arms[ARM].speculative.model == str(mismatched_drafter)
     if found["outcome"] == loop.PROMOTED:
-        assert found["rows"][-1]["verdict"] == PROMOTE and incumbent == str(accepted)
+        assert found["rows"][-1]["verdict"] == PROMOTE
+        assert arms[ARM].drafter_weights == str(accepted)
+        assert "its weights loaded in place" in found["steps"][1]["what"]
     else:
-        assert incumbent == str(mismatched_drafter)
+        assert arms[ARM].drafter_weights is None
     revisions = [step["revision"] for step in found["steps"]]
     assert len(revisions) == 2 and set(revisions) <= {r.revision for r in history}

@@ -26,14 +26,14 @@ RELOAD_DRAFTER = "reload_drafter"
 WORKER_EXTENSION = f"{__name__}.DrafterReload"
 
 
-def local_checkpoint(source: str) -> str:
+def local_checkpoint(source: str, revision: str | None = None) -> str:
     """The directory a drafter was loaded from: `source` itself, or a hub repository's copy
-    in the local cache (vLLM downloaded it when the engine started)."""
+    (at `revision`) in the local cache, where vLLM downloaded it when the engine started."""
     if Path(source).is_dir():
         return source
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(source, local_files_only=True)
+    return snapshot_download(source, revision=revision, local_files_only=True)
 
 
 def _tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,10 +64,13 @@ class DrafterReload:
             load_config=runner.vllm_config.load_config,
             lora_config=None,
         )
+        # Read whole before any layer changes (a drafter is tens of MB): a file that cannot be
+        # read fails here, with the running weights untouched.
+        tensors = list(_tensors(checkpoint))
         reload_weights(
             config,  # type: ignore[arg-type]
             drafter.model,
-            weights_iterator=_tensors(checkpoint),
+            weights_iterator=tensors,
             weights_path=None,
             is_checkpoint_format=True,
         )

@@ -68,8 +68,10 @@ class ArmServer(LLMServer):
         self._capture_writer: CaptureWriter | None = None
         self._front: FastAPI | None = None  # built by Ray Serve's ingress, before any request
         spec = llm_config.engine_kwargs.get("speculative_config") or {}
-        # The drafter checkpoint the engine started with, and the one whose weights it runs.
-        self._drafter = self._drafter_weights = spec.get("model") if spec else None
+        # The drafter checkpoint the engine started with (its hub commit, if one), and the one
+        # whose weights it runs.
+        self._drafter = self._drafter_weights = spec.get("model")
+        self._drafter_revision = spec.get("revision")
         with keep_serve_log_targets():  # the engine's start closes the replica's log handlers
             await super().__init__(llm_config)
 
@@ -79,15 +81,18 @@ class ArmServer(LLMServer):
         running engine between two of its steps (engine/drafter_reload.py). A failed load is
         logged and the engine serves on with the weights it had: failing here would make Ray
         Serve replace the replica, engine and all."""
-        wanted = user_config.get(DRAFTER_WEIGHTS)
         if self._drafter is None:
             return
+        wanted = user_config.get(DRAFTER_WEIGHTS)
         try:
             path = resolve_drafter_source(wanted) if wanted else self._drafter
             if path == self._drafter_weights:
                 return
             started = time.monotonic()
-            await self.collective_rpc(RELOAD_DRAFTER, args=(path, local_checkpoint(self._drafter)))
+            started_from = await asyncio.to_thread(
+                local_checkpoint, self._drafter, self._drafter_revision
+            )
+            await self.collective_rpc(RELOAD_DRAFTER, args=(path, started_from))
         except Exception as exc:
             logger.error(
                 "arm %s: drafter weights %s not loaded (%s); the engine keeps %s",

@@ -223,9 +223,10 @@ def _image_entry(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
 
 def generated_tpl() -> str:
     """Template definitions whose source of truth is Python: an arm's keys the router applies
-    itself or that become Ray Serve deployment options, never the engine application's args
-    (schema.py's ROUTER_SIDE, DEPLOYMENT_OPTIONS and RELOADED_IN_PLACE), and what a hub id looks like (schema.py's
-    HUB_ID_PATTERN: sources that code loading needs pinned)."""
+    itself or that become Ray Serve deployment options or user_config, never the engine
+    application's args (schema.py's ROUTER_SIDE, DEPLOYMENT_OPTIONS and RELOADED_IN_PLACE), and
+    what a hub id looks like (schema.py's HUB_ID_PATTERN: sources that code loading needs
+    pinned)."""
     from specserve.config.schema import (
         DEPLOYMENT_OPTIONS,
         HUB_ID_PATTERN,

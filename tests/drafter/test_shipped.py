@@ -83,6 +83,7 @@ def test_a_running_engine_loads_other_drafter_weights_as_a_fresh_engine_would(in
     in place with a noisy copy's weights, drafts and accepts exactly what an engine started
     with that copy does; its own weights back, what it did before; the target untouched."""
     drafted = {k: (in_vllm[f"{k}_drafts"], in_vllm[f"{k}_accepted"]) for k in REUSED_KEYS}
+    print(f"(drafts, accepted tokens) per engine state: {drafted}")
     assert drafted["noisy"][1] < drafted["eagle3"][1], drafted  # other weights, other drafts
     assert drafted["eagle3_reloaded"] == drafted["noisy"], drafted
     assert drafted["eagle3_restored"] == drafted["eagle3"], drafted

@@ -163,6 +163,18 @@ def unpinned_code(model: ModelConfig, arm: ArmEngineConfig) -> str | None:
     return None
 
 
+def check_packaged_drafter_name(source: str) -> None:
+    """A packaged drafter (`package://NAME`) is named by its directory: `package://../../etc` or
+    `package:///etc` would reach outside the drafters directory."""
+    if source.startswith(PACKAGE_SCHEME) and not PACKAGED_DRAFTER_NAME.match(
+        source.removeprefix(PACKAGE_SCHEME)
+    ):
+        raise ValueError(
+            f"`{source}`: a packaged drafter is named by its directory under "
+            "specserve/drafters (letters, digits, '.', '_', '-'; no path)"
+        )
+
+
 class NoSpeculation(_Strict):
     method: Literal["none"] = Field(description="Plain decoding, the baseline arm.")
 
@@ -232,14 +244,7 @@ class Eagle3Speculation(_Drafting):
     @field_validator("model")
     @classmethod
     def _packaged_drafter_named_by_its_directory(cls, model: str) -> str:
-        # `package://../../etc` or `package:///etc` would reach outside the drafters directory.
-        if model.startswith(PACKAGE_SCHEME) and not PACKAGED_DRAFTER_NAME.match(
-            model.removeprefix(PACKAGE_SCHEME)
-        ):
-            raise ValueError(
-                f"`{model}`: a packaged drafter is named by its directory under "
-                "specserve/drafters (letters, digits, '.', '_', '-'; no path)"
-            )
+        check_packaged_drafter_name(model)
         return model
 
     @model_validator(mode="after")
@@ -412,12 +417,8 @@ class ArmEngineConfig(_Strict):
             raise ValueError(
                 "`drafter_weights` replaces an EAGLE drafter's weights: this arm has none"
             )
-        if weights.startswith(PACKAGE_SCHEME):
-            if not PACKAGED_DRAFTER_NAME.match(weights.removeprefix(PACKAGE_SCHEME)):
-                raise ValueError(
-                    f"`drafter_weights: {weights}`: a packaged drafter is named by its directory"
-                )
-        elif not weights.startswith("/"):
+        check_packaged_drafter_name(weights)
+        if not weights.startswith((PACKAGE_SCHEME, "/")):
             raise ValueError(
                 f"`drafter_weights: {weights}`: an absolute directory or `package://NAME` (the "
                 "engines read it in place; a hub repository goes in `speculative.model`)"

@@ -39,7 +39,7 @@ PYTEST  := $(BIN)/pytest -p randomly -p no:cacheprovider --randomly-seed=$(SEED)
 # The suite, then the rendered chart run as a cluster (tests/cluster: root, network namespaces)
 # in a pytest run of its own, so its Ray pods never share the machine with the suite's platform.
 test: model
-	$(PYTEST) -ra -v --durations=25 --ignore=tests/cluster
+	$(PYTEST) -ra -v --durations=60 --ignore=tests/cluster
 	$(PYTEST) -ra -v --durations=10 tests/cluster
 
 test-unit: install

@@ -44,3 +44,20 @@ def misfit(checkpoint: str | Path, started_from: str | Path) -> str | None:
         if names
     ]
     return f"{checkpoint} does not fit the drafter of {started_from}: it {'; '.join(what)}"
+
+
+def interchangeable(checkpoint: str | Path, started_from: str | Path) -> bool:
+    """Whether an engine started with the drafter at `started_from` runs the drafter at
+    `checkpoint` once it has loaded its weights: two local checkpoints with the same tensors
+    and the same config."""
+    a, b = Path(checkpoint), Path(started_from)
+    if not ((a / "config.json").is_file() and (b / "config.json").is_file()):
+        return False
+    try:
+        if misfit(a, b) is not None:
+            return False
+    except FileNotFoundError:
+        return False
+    return json.loads((a / "config.json").read_text()) == json.loads(
+        (b / "config.json").read_text()
+    )

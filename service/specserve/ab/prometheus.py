@@ -54,7 +54,12 @@ REVISION_LOOKBACK = "7d"
 GAUGE_LOOKBACK_S = 30
 # A counter's value when an experiment begins: its last sample in this long before, so that a
 # gap in its export at that moment (as the gauges', above) is not read as a series born later.
-COUNTER_LOOKBACK_S = 600
+# Gaps last: on a 2-core node, the loop's A/B counted 72 requests in a window in which the arms
+# answered 25 (a sample-ratio mismatch that was none), as series from earlier traffic had no
+# sample in the 600 s before it (adapt training and the challenger's engine starting had the
+# CPUs) and were read as born in the experiment. A series older than this is counted whole
+# again; one that was reset (its process restarted) counts from zero.
+COUNTER_LOOKBACK_S = 24 * 3600
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

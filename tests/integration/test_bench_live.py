@@ -18,7 +18,7 @@ def bench_args(live, out, *extra: str) -> argparse.Namespace:
             *("--url", live.base_url, "--metrics-url", live.metrics_url),
             *("--api-key", ADMIN_KEY),
             *("--prompts", "chat", "--num-prompts", "4", "--concurrency", "1", "2"),
-            *("--max-tokens", "16", "--rounds", "2", "--warmups", "1", "--out", str(out)),
+            *("--max-tokens", "8", "--rounds", "2", "--warmups", "1", "--out", str(out)),
             *extra,
         ]
     )

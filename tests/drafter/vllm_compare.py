@@ -10,7 +10,8 @@ One engine per drafter serves both, since starting engines is most of the time. 
 NAME=DIR`, NAME's engine then loads DIR's weights in place (engine/drafter_reload.py) and runs
 the greedy prompts again (NAME + "_reloaded"), then its own weights back (NAME + "_restored");
 with `--misfit DIR` it is first asked to load a checkpoint that does not fit (the error under
-NAME + "_misfit"). A script, not a test, because vLLM's LLM must start under __main__.
+NAME + "_misfit"). The engine started with DIR, the reference for "_reloaded", draws no
+samples. A script, not a test, because vLLM's LLM must start under __main__.
 """
 
 import argparse
@@ -33,6 +34,13 @@ PROMPTS = [
     "def add(a, b):",
     "Once upon a time",
     "List three uses of the Python `functools.lru_cache` decorator.",
+    # Past two KV blocks of the CPU backend (128 tokens each): run again after a reload, it
+    # finds its prefix cached, which must not keep the old drafter's keys and values.
+    "Summarise these notes in one line.\n"
+    + "".join(
+        f"- Day {d}: the lighthouse keeper logged {d * 3} ships and fair weather.\n"
+        for d in range(1, 21)
+    ),
 ]
 SAMPLE_CHAT = [
     {"role": "user", "content": "Name one colour of the rainbow, then say why you like it."}
@@ -43,7 +51,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from specserve.drafter.data import shutdown
-    from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION
+    from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION, reload_offline
 
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
@@ -96,11 +104,11 @@ def main() -> None:
                     llm.collective_rpc(RELOAD_DRAFTER, args=(args.misfit, path))
                 except Exception as exc:
                     result[name + "_misfit"] = str(exc)
-            llm.collective_rpc(RELOAD_DRAFTER, args=(reload_from, path))
+            reload_offline(llm, reload_from, path)
             greedy_run(llm, name + "_reloaded")
-            llm.collective_rpc(RELOAD_DRAFTER, args=(path, path))
+            reload_offline(llm, path, path)
             greedy_run(llm, name + "_restored")
-        if args.sample:
+        if args.sample and path != reload_from:
             sample = SamplingParams(temperature=1.0, max_tokens=args.sample_tokens, ignore_eos=True)
             outputs = llm.chat([SAMPLE_CHAT] * args.sample, sample, use_tqdm=False)
             result[name + "_samples"] = [list(o.outputs[0].token_ids) for o in outputs]

@@ -14,7 +14,7 @@ REPETITIVE = {
             + "\n".join(f"- item {i}: alpha beta gamma delta" for i in range(8)),
         }
     ],
-    "max_tokens": 120,
+    "max_tokens": 64,  # the list's first copy and more: n-gram drafts from the prompt
     "temperature": 0,
 }
 

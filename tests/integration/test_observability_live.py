@@ -27,7 +27,7 @@ def _load(client: httpx.Client, arm: str, stop: threading.Event) -> None:
     while not stop.is_set():
         client.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "messages": COPY_TASK, "max_tokens": 48, "stream": True},
+            json={"model": MODEL, "messages": COPY_TASK, "max_tokens": 24, "stream": True},
             headers={headers.ARM_OVERRIDE: arm},
         )
         client.post(

@@ -34,8 +34,8 @@ PROMPTS = [
     "def add(a, b):",
     "Once upon a time",
     "List three uses of the Python `functools.lru_cache` decorator.",
-    # Past two KV blocks of the CPU backend (128 tokens each): run again after a reload, it
-    # finds its prefix cached, which must not keep the old drafter's keys and values.
+    # Past two KV blocks of the CPU backend (128 tokens each): run again after a load, its
+    # prefix is found in the prefix cache, filled while the other weights ran.
     "Summarise these notes in one line.\n"
     + "".join(
         f"- Day {d}: the lighthouse keeper logged {d * 3} ships and fair weather.\n"
@@ -51,7 +51,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from specserve.drafter.data import shutdown
-    from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION, reload_offline
+    from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION
 
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
@@ -104,9 +104,9 @@ def main() -> None:
                     llm.collective_rpc(RELOAD_DRAFTER, args=(args.misfit, path))
                 except Exception as exc:
                     result[name + "_misfit"] = str(exc)
-            reload_offline(llm, reload_from, path)
+            llm.collective_rpc(RELOAD_DRAFTER, args=(reload_from, path))
             greedy_run(llm, name + "_reloaded")
-            reload_offline(llm, path, path)
+            llm.collective_rpc(RELOAD_DRAFTER, args=(path, path))
             greedy_run(llm, name + "_restored")
         if args.sample and path != reload_from:
             sample = SamplingParams(temperature=1.0, max_tokens=args.sample_tokens, ignore_eos=True)

@@ -24,7 +24,7 @@ import numpy as np
 from specserve.bootstrap import paired_interval
 from specserve.drafter.data import generation_env, shutdown
 from specserve.drafter_checkpoint import interchangeable
-from specserve.engine.drafter_reload import WORKER_EXTENSION, reload_offline
+from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION
 from specserve.hardware import fast_dtype
 
 
@@ -102,7 +102,7 @@ def evaluate(
             if llm is not None and interchangeable(path, started_from):
                 # The same tensors and config (a candidate and the drafter it was trained
                 # from): its weights go into the running engine, one engine start fewer.
-                reload_offline(llm, path, started_from)
+                llm.collective_rpc(RELOAD_DRAFTER, args=(path, started_from))
             else:
                 if llm is not None:
                     shutdown(llm)

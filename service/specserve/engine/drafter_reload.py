@@ -20,7 +20,6 @@ from specserve.drafter_checkpoint import misfit, safetensors_files
 
 if TYPE_CHECKING:
     import torch
-    from vllm import LLM
 
 # The worker method's name, and the class vLLM mixes into its workers.
 RELOAD_DRAFTER = "reload_drafter"
@@ -44,15 +43,6 @@ def _tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as tensors:
             for name in tensors.keys():  # noqa: SIM118  # safe_open is no mapping
                 yield name, tensors.get_tensor(name)
-
-
-def reload_offline(llm: LLM, checkpoint: str | Path, started_from: str | Path) -> None:
-    """`reload_drafter` in an offline engine (vLLM's `LLM`, started with `WORKER_EXTENSION`),
-    then its prefix cache dropped: cached blocks hold the old drafter's keys and values beside
-    the target's, which a draft over a cached prefix would attend to. The server does the same
-    (`ArmServer.reconfigure`)."""
-    llm.collective_rpc(RELOAD_DRAFTER, args=(str(checkpoint), str(started_from)))
-    llm.reset_prefix_cache()
 
 
 class DrafterReload:

@@ -93,10 +93,6 @@ class ArmServer(LLMServer):
                 local_checkpoint, self._drafter, self._drafter_revision
             )
             await self.collective_rpc(RELOAD_DRAFTER, args=(path, started_from))
-            # The KV cache holds the old drafter's keys and values beside the target's, in the
-            # cached prefix blocks and in the requests in flight: dropped and recomputed (those
-            # requests preempted), so that no draft attends to another drafter's states.
-            await self.engine._engine_client.reset_prefix_cache(reset_running_requests=True)  # type: ignore[union-attr]
         except Exception as exc:
             logger.error(
                 "arm %s: drafter weights %s not loaded (%s); the engine keeps %s",

@@ -170,28 +170,6 @@ def test_every_ray_container_runs_its_workers_at_normal_priority(rendered):
             assert env[WORKER_NICENESS_ENV] == WORKER_NICENESS, container["name"]
 
 
-AGENT_PORTS = {"dashboard-agent-grpc-port", "runtime-env-agent-port"}
-
-
-@pytest.mark.parametrize("profile", PROFILES)
-def test_every_ray_node_starts_its_agents_on_fixed_ports_unless_told_otherwise(profile):
-    """Left to Ray, the raylet waits 15 s at most for each agent's chosen port, and a node
-    whose dashboard agent starts slower than that fails to start (tests/cluster: a new head on
-    a loaded node): every group of the RayService and of the adapt job gives both ports."""
-    store = {"enabled": True, "accessModes": ["ReadWriteMany"], "storageClassName": "nfs"}
-    objs = render_objects(profile, captureStore=store, adapt={"enabled": True, "arm": "eagle3"})
-    clusters = [one(objs, "RayService")["spec"]["rayClusterConfig"]]
-    clusters.append(one(objs, "RayJob")["spec"]["rayClusterSpec"])
-    for cluster in clusters:
-        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-            params = group["rayStartParams"]
-            assert set(params) >= AGENT_PORTS, group.get("groupName", "head")
-            assert len({params[p] for p in AGENT_PORTS}) == 2
-    own = render_objects(profile, head={"rayStartParams": {"dashboard-agent-grpc-port": "9"}})
-    head = one(own, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
-    assert head["rayStartParams"]["dashboard-agent-grpc-port"] == "9"  # the values' own wins
-
-
 def test_pods_pass_the_restricted_pod_security_profile(rendered):
     _, objs = rendered
     for pod in pod_specs(objs):

@@ -547,9 +547,9 @@ rayClusterSpec:
     mode: {{ . }}
   {{- end }}
   headGroupSpec:
-    # num-cpus 0: the driver recomputes features and scores; Ray Train's workers train
     rayStartParams:
-      {{- include "specserve.rayStartParams" (dict "num-cpus" "0" "dashboard-host" "0.0.0.0") | nindent 6 }}
+      num-cpus: "0"  # the driver recomputes features and scores; Ray Train's workers train
+      dashboard-host: 0.0.0.0
     template:
       metadata:
         labels:
@@ -562,8 +562,7 @@ rayClusterSpec:
       replicas: {{ $root.Values.adapt.workers }}
       minReplicas: {{ $root.Values.adapt.workers }}
       maxReplicas: {{ $root.Values.adapt.workers }}
-      rayStartParams:
-        {{- include "specserve.rayStartParams" (dict) | nindent 8 }}
+      rayStartParams: {}
       template:
         metadata:
           labels:
@@ -763,7 +762,7 @@ gcsFaultToleranceOptions:
 enableInTreeAutoscaling: false
 headGroupSpec:
   rayStartParams:
-    {{- include "specserve.rayStartParams" $root.Values.head.rayStartParams | nindent 4 }}
+    {{- toYaml $root.Values.head.rayStartParams | nindent 4 }}
   template:
     metadata:
       labels:
@@ -784,7 +783,7 @@ workerGroupSpecs:
     maxReplicas: {{ default .replicas .maxReplicas }}
     {{- end }}
     rayStartParams:
-      {{- include "specserve.rayStartParams" .rayStartParams | nindent 6 }}
+      {{- toYaml .rayStartParams | nindent 6 }}
     template:
       metadata:
         labels:
@@ -797,15 +796,4 @@ workerGroupSpecs:
       spec:
         {{- include "specserve.podSpec" (dict "root" $root "group" . "image" $image "container" "ray-worker") | nindent 8 }}
   {{- end }}
-{{- end }}
-
-{{/* A Ray pod's rayStartParams: those given, over fixed ports for the node's two agents (the
-dashboard agent's gRPC port, the runtime-env agent's). Left to Ray, each agent picks a port and
-writes it to a file, which the raylet waits for 15 s at most (Ray 2.60, not configurable); a
-dashboard agent that starts slower on a loaded node (37 s measured beside busy engines on two
-CPUs) then fails the node's start, again at each restart. With the ports given, the raylet waits
-for neither. Ray's own pods only use them (the NetworkPolicy lets the release's pods reach each
-other on every port). */}}
-{{- define "specserve.rayStartParams" -}}
-{{- toYaml (merge (deepCopy .) (dict "dashboard-agent-grpc-port" "52366" "runtime-env-agent-port" "52367")) }}
 {{- end }}

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install serve test test-unit check generate model drafters clean
+.PHONY: install serve test test-long test-unit check generate model drafters clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,8 +39,12 @@ PYTEST  := $(BIN)/pytest -p randomly -p no:cacheprovider --randomly-seed=$(SEED)
 # The suite, then the rendered chart run as a cluster (tests/cluster: root, network namespaces)
 # in a pytest run of its own, so its Ray pods never share the machine with the suite's platform.
 test: model
-	$(PYTEST) -ra -v --durations=60 --ignore=tests/cluster
+	$(PYTEST) -ra -v --durations=60 --ignore=tests/cluster -m "not long"
 	$(PYTEST) -ra -v --durations=10 tests/cluster
+
+# What `make test` leaves out for time (marked `long`: the closed loop end to end, ~10-17 min).
+test-long: model
+	$(PYTEST) -ra -v --durations=10 --ignore=tests/cluster -m long
 
 test-unit: install
 	$(PYTEST) -ra -m unit --ignore=tests/cluster

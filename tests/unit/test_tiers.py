@@ -44,6 +44,7 @@ def test_the_tier_is_the_first_marker_in_order_and_own_cluster_is_ray():
     assert tiers.tier_of(Item("own_cluster")) == tiers.RAY
     assert tiers.tier_of(Item("own_cluster", "e2e")) == tiers.E2E
     assert tiers.tier_of(Item("live", "disruptive")) == tiers.DISRUPTIVE
+    assert tiers.tier_of(Item("long", "e2e", "live")) == tiers.LONG
 
 
 def test_a_tier_over_its_budget_is_reported_and_the_cluster_run_has_its_own():
@@ -57,6 +58,10 @@ def test_a_tier_over_its_budget_is_reported_and_the_cluster_run_has_its_own():
     cluster.tiers = {"tests/cluster/test_x.py::t": tiers.E2E}
     cluster.durations["tests/cluster/test_x.py::t"] = 1.0
     assert cluster.budget(tiers.E2E) == tiers.CLUSTER_BUDGET_S
+    long = tiers.Run()
+    long.tiers = {"l": tiers.LONG}
+    long.durations["l"] = tiers.LONG_BUDGET_S - 1.0
+    assert long.over_budget() == []  # `make test-long`: a budget of its own
 
 
 def test_a_machine_without_bf16_has_larger_budgets(monkeypatch):

@@ -14,9 +14,9 @@ each tier's time, recorded by the run, is held to a budget.
 
 A test's tier is the first of long, e2e, disruptive, live, ray it is marked with, else ray for
 a test marked `own_cluster`, else unit. A session prints each tier's time and fails when one
-outgrew its budget (BUDGETS_S): durations are summed over the tests of a tier that ran (set-up, call and tear-down, the session platform's start
-included), so a run of part of a tier can only come in under it. They are also written to
-DURATIONS, one entry per test, merged over runs.
+outgrew its budget (BUDGETS_S): durations are summed over the tests of a tier that ran (set-up,
+call and tear-down, the session platform's start included), so a run of part of a tier can only
+come in under it. They are also written to DURATIONS, one entry per test, merged over runs.
 """
 
 from __future__ import annotations

@@ -20,10 +20,15 @@ import httpx
 import openai
 
 PROMPT = "Name three colours of the rainbow, one per line."
+# Below the CPU profile's request timeout (600 s). A request for an arm whose only replica was on
+# a deleted pod waits, without a byte, for the pod's drain and the arm's new engine elsewhere:
+# 181 s and more on two cores without bf16, where 180 s cut one (the profile has no spare pod:
+# docs/kubernetes.md).
+REQUEST_TIMEOUT_S = 420
 
 
 def one(base_url: str, key: str, model: str, stream: bool, max_tokens: int = 24) -> dict:
-    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
     messages = [{"role": "user", "content": PROMPT}]
     if not stream:
         raw = client.chat.completions.with_raw_response.create(

@@ -48,8 +48,9 @@ HEAD_PROBE_TIMEOUT_S = 5.0
 REDIS_HOST = f"redis.{NAMESPACE}.svc.cluster.local"
 REDIS_PORT = 6379
 REDIS_SELECTOR = {"matchLabels": {"app": "redis"}}
-# How long a load client may take to end its streams once told to stop.
-LOAD_STOP_S = 150
+# How long a load client may take to end its streams once told to stop: a request waiting for a
+# replica may take the whole of client.REQUEST_TIMEOUT_S (420 s).
+LOAD_STOP_S = 450
 # A redeployed arm: Ray Serve builds it again and starts its engine (about a minute, loaded).
 REDEPLOY_TIMEOUT_S = 300
 

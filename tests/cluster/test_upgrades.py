@@ -18,7 +18,9 @@ from tests.cluster.load import replica_ids, streaming_load
 from tests.deploy.conftest import generate
 from tests.deploy.kube_standin import ApiError
 
-pytestmark = pytest.mark.e2e
+# `long` (make test-long): a second cluster rolled and the router redeployed twice took 11
+# minutes on two cores without bf16, which CI's 90 minutes could not hold beside the rest.
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 CONFIG_APPLY_FIELDS = {".data.config.yaml", ".metadata.annotations.specserve.io/revision"}
 

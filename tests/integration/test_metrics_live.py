@@ -72,3 +72,23 @@ def test_real_prometheus_computes_acceptance_per_arm(live, prometheus):
     by_arm = {s["metric"]["arm"]: float(s["value"][1]) for s in result}
     assert by_arm["ngram"] > 1.0
     assert "no-spec" not in by_arm  # no drafts, no acceptance length
+
+
+def test_the_local_clusters_serve_processes_run_at_a_laptops_pace(live):
+    """`specserve serve`'s local cluster hands LOCAL_SERVE_ENV to every Ray process: the Serve
+    controller's loop and each replica's metrics export run at its pace (deploy.py), where Ray's
+    defaults kept an idle platform's processes busier (BENCHMARKS.md)."""
+    import psutil
+
+    from specserve.deploy import LOCAL_SERVE_ENV
+
+    titles = ("ray::ServeController", "ray::ServeReplica:specserve:router")
+    found = {}
+    for process in psutil.process_iter(["cmdline"]):
+        title = " ".join(process.info["cmdline"] or ())
+        for wanted in titles:
+            if title.startswith(wanted):
+                found[wanted] = process.environ()
+    assert set(found) == set(titles), sorted(found)
+    for title, environ in found.items():
+        assert {k: environ.get(k) for k in LOCAL_SERVE_ENV} == LOCAL_SERVE_ENV, title

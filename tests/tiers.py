@@ -10,8 +10,8 @@ each tier's time, recorded by the run, is held to a budget.
 - `e2e`: a whole workflow: `specserve serve`, the drafter build, the rendered chart run as a
   cluster.
 - `long`: what CI's 90 minutes on two cores cannot hold beside the rest (the closed loop end to
-  end, the mismatched arm's checks, the engine kill under load, the chart's upgrades):
-  `make test-long` runs it, `make test` does not.
+  end, the mismatched arm's checks, the engine kill under load, the chart's upgrades and head
+  deletion): `make test-long` runs it, `make test` does not.
 
 A test's tier is the first of long, e2e, disruptive, live, ray it is marked with, else ray for
 a test marked `own_cluster`, else unit. A session prints each tier's time and fails when one

@@ -225,8 +225,12 @@ def ray_node_alive(cluster, ip: str) -> bool:
 
 
 # The head's drain and deletion (~60 s), the new head's start (80-100 s), the applications'
-# recovery (~15-45 s) and the load's end: 4-5 minutes on two busy cores.
+# recovery (~15-45 s) and the load's end: 4-5 minutes on two busy cores. `long` (make
+# test-long): on two cores without bf16 the new head's `ray start` still times out now and then
+# (its raylet registers past Ray's fixed 30 s beside busy engines: one run in two on machine B),
+# which CI cannot afford.
 @pytest.mark.timeout(600)
+@pytest.mark.long
 @pytest.mark.disruptive
 def test_deleting_the_head_pod_under_load_with_gcs_fault_tolerance_loses_no_request(
     cluster, tmp_path

@@ -33,7 +33,6 @@ from specserve.config.serve_config import (
     PROXY_HOOK,
     PROXY_HOOK_ENV,
     ROUTER_APP_NAME,
-    ROUTER_DRAIN_S,
     WORKER_NICENESS,
     WORKER_NICENESS_ENV,
     draining_router,
@@ -186,7 +185,7 @@ class Platform:
 
     def stop(self, *, drain: bool = True) -> None:
         """Stop everything. With `drain`, the router first refuses new requests (503) and
-        finishes those in flight, streams included, for up to ROUTER_DRAIN_S while the arms
+        finishes those in flight, streams included, for up to `stop_drain_s` while the arms
         keep serving them (skipped when start-up was interrupted: nothing serves yet). Then Ray
         stops, which on a local cluster ends every process it started; on a cluster joined by
         address, specserve's applications are deleted instead."""
@@ -195,7 +194,7 @@ class Platform:
             # stop never hangs on them.
             draining = threading.Thread(target=self._drain_router, daemon=True)
             draining.start()
-            draining.join(ROUTER_DRAIN_S + 5)
+            draining.join(self.settings.stop_drain_s + 5)
             if draining.is_alive():
                 logger.warning("the router did not drain in time; stopping anyway")
         if self.settings.ray_address:
@@ -223,7 +222,7 @@ class Platform:
             self._submit(document)
             # Once every replica drains, the in-flight gauge (one export behind) falls to 0.
             time.sleep(METRICS_REPORT_S + 0.5)
-            while time.monotonic() - started < ROUTER_DRAIN_S:
+            while time.monotonic() - started < self.settings.stop_drain_s:
                 if self._router_in_flight() == 0:
                     break
                 time.sleep(0.25)

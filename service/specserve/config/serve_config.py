@@ -29,9 +29,6 @@ from specserve.config.schema import (
 )
 
 ROUTER_APP_NAME = "specserve"
-# A stopping platform gives the requests in flight this long to finish, streams included, while
-# new ones are refused.
-ROUTER_DRAIN_S = 10.0
 ROUTER_DEPLOYMENT_NAME = "router"
 # The router deployment's Ray Serve `user_config` key that makes the dispatch in every HTTP proxy
 # refuse new requests (503) while those in flight finish: Ray Serve applies a user_config change

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         False,
         description="Serve without API keys on a non-loopback address (refused otherwise).",
     )
+    stop_drain_s: float = Field(
+        10.0,
+        ge=0,
+        description="On Ctrl-C or SIGTERM, how long requests in flight (streams included) get "
+        "to finish while new ones are refused with 503, before a local platform stops.",
+    )
     ray_address: str | None = Field(
         None, description="Join this Ray cluster instead of starting a local one."
     )

@@ -45,6 +45,22 @@ IMAGE_VENV = "/opt/venv"
 IMAGE_CACHE = "/opt/specserve/cache"
 # The head pod's processes, against the workers' 0 (Pod.start).
 HEAD_NICENESS = "-10"
+# kubelet weighs each pod's CPU by its requests: a cgroup per pod with `cpu.shares` of
+# milliCPU x 1024 / 1000 (cgroup v1), whatever number of threads or sessions its processes
+# have. Without it the kernel weighs every session alike (autogroup), niceness counts only
+# within a session, and a new head's processes got 3-15 % of a core each beside streaming
+# engines: its dashboard agent missed the raylet's 15 s at every start. Weighed by its request
+# alone, one pod in five on two cores, a new head still took 23 s: its start is a burst of
+# Python processes (GCS client, dashboard, monitors, agents) that its own 2 CPUs would take in
+# a few seconds. The head's weight is raised so that it gets the cores first, as its own would.
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu/specserve-pods")
+HEAD_CPU_WEIGHT = 32
+
+
+def cpu_shares(quantity: str) -> int:
+    """kubelet's `cpu.shares` for a CPU request ("2", "500m")."""
+    milli = int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
+    return max(2, milli * 1024 // 1000)
 
 
 def image_env(model_cache: Path) -> dict[str, str]:
@@ -270,13 +286,35 @@ class Pod:
         argv = self.in_pod(command)
         if self.plan.head:
             # On a cluster the head pod has CPUs of its own (its requests). Here five pods share
-            # two cores with busy engines, and a new head's dashboard agent took 37 s to start,
-            # past the 15 s its raylet waits for the agent's port files (Ray 2.60): `ray start`
-            # failed at every restart. The head's processes get the CPU first, as its own would.
+            # two cores with busy engines; within its CPU weight (below) the head's processes
+            # go first, where the kernel does not group them by session.
             argv = ["nice", "-n", HEAD_NICENESS, *argv]
+        cgroup = self._cpu_cgroup()
+        if cgroup is not None:  # the container's processes are born in its pod's cgroup
+            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
         self.process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def _cpu_cgroup(self) -> Path | None:
+        """The pod's CPU cgroup, weighted by its CPU request; None where cgroup v1's cpu
+        controller cannot be written (then the kernel's default weighs it)."""
+        request = self.plan.container.get("resources", {}).get("requests", {}).get("cpu")
+        if request is None:
+            return None
+        path = CPU_CGROUPS / self.plan.name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            weight = HEAD_CPU_WEIGHT if self.plan.head else 1
+            (path / "cpu.shares").write_text(str(cpu_shares(str(request)) * weight))
+        except OSError as error:
+            print(f"{self.plan.name}: no CPU weight from its request ({error})")
+            return None
+        return path
+
+    def _remove_cpu_cgroup(self) -> None:
+        with contextlib.suppress(OSError):
+            (CPU_CGROUPS / self.plan.name).rmdir()
 
     def exec(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """What `kubectl exec`, exec probes and hooks run: the command in the running container's
@@ -369,12 +407,17 @@ class Pod:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(self.all_processes(), timeout=10)
+        self._remove_cpu_cgroup()
         took["total_s"] = time.monotonic() - started
         return took
 
     def kill(self) -> None:
         if self.prober is not None:
             self.prober.stop()
+        self.kill_processes()
+        self._remove_cpu_cgroup()
+
+    def kill_processes(self) -> None:
         for process in self.all_processes():
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
@@ -411,6 +454,9 @@ class Prober(threading.Thread):
             return
         self.exits.append(time.time())
         self.ready = False
+        # The runtime ends a container with its main process: whatever it left running (Ray
+        # daemonizes its GCS, agents and monitors) goes with it, and the restart starts clean.
+        self.pod.kill_processes()
         back_off = min(10 * 2 ** (len(self.exits) - 1), 300)
         if self._stop.wait(back_off):
             return

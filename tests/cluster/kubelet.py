@@ -303,6 +303,9 @@ class Pod:
         if request is None:
             return None
         path = CPU_CGROUPS / self.plan.name
+        if not (CPU_CGROUPS.parent / "cpu.shares").exists():  # no cgroup v1 cpu controller
+            print(f"{self.plan.name}: no CPU weight from its request (no {CPU_CGROUPS.parent})")
+            return None
         try:
             path.mkdir(parents=True, exist_ok=True)
             weight = HEAD_CPU_WEIGHT if self.plan.head else 1

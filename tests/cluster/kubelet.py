@@ -51,7 +51,7 @@ HEAD_NICENESS = "-10"
 # within a session, and a new head's processes got 3-15 % of a core each beside streaming
 # engines: its dashboard agent missed the raylet's 15 s at every start. Weighed by its request
 # alone, one pod in five on two cores, a new head still took 23 s: its start is a burst of
-# Python processes (GCS client, dashboard, monitors, agents) that its own 2 CPUs would take in
+# processes (GCS, raylet, dashboard, monitors, agents) that its own 2 CPUs would take in
 # a few seconds. The head's weight is raised so that it gets the cores first, as its own would.
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu/specserve-pods")
 HEAD_CPU_WEIGHT = 32

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from kubernetes.utils import parse_quantity
 
 from tests.cluster.kuberay import PodPlan, Probe, quantity_bytes
 from tests.cluster.network import Endpoint
@@ -59,7 +60,7 @@ HEAD_CPU_WEIGHT = 32
 
 def cpu_shares(quantity: str) -> int:
     """kubelet's `cpu.shares` for a CPU request ("2", "500m")."""
-    milli = int(quantity[:-1]) if quantity.endswith("m") else round(float(quantity) * 1000)
+    milli = int(parse_quantity(quantity) * 1000)
     return max(2, milli * 1024 // 1000)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 from tests.deploy.conftest import generate
 
@@ -175,11 +176,7 @@ class Probe:
 
 
 def quantity_bytes(text: str) -> int:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(float(text))
+    return int(parse_quantity(text))
 
 
 def harness_values() -> dict[str, Any]:

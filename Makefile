@@ -43,8 +43,7 @@ test: model
 	$(PYTEST) -ra -v --durations=10 tests/cluster -m "not long"
 
 # What `make test` leaves out to fit CI's 90 minutes on two cores (marked `long`: the closed
-# loop, the mismatched arm's checks, the engine kill under load, the chart's upgrades and head
-# deletion): ~45 min.
+# loop, the mismatched arm's checks, the engine kill under load, the chart's upgrades).
 test-long: model
 	$(PYTEST) -ra -v --durations=10 --ignore=tests/cluster -m long
 	$(PYTEST) -ra -v --durations=10 tests/cluster -m long

@@ -473,6 +473,11 @@ def test_gcs_fault_tolerance_with_an_external_redis():
     options = one(objs, "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     assert options["redisAddress"] == "redis.llm.svc:6379"
     assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "p"}
+    # The new head's Serve controller gives busy replicas more than Ray's 30 s to answer before
+    # it kills them as unrecoverable (an engine to load again).
+    head = one(objs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    env = {e["name"]: e.get("value") for e in head["spec"]["containers"][0]["env"]}
+    assert int(env["RAY_SERVE_SLOW_STARTUP_WARNING_S"]) >= 120
 
 
 @pytest.mark.parametrize(

@@ -381,6 +381,11 @@ evicts the pod rather than let captured traffic fill the node's disk. */}}
 # dispatch's requests bypass that count (the pod's preStop waits for them instead).
 - name: RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S
   value: {{ .Values.drain.requestSeconds | quote }}
+# A Serve controller started again (a new head) recovers the replicas still running and kills
+# any that has not answered within this many seconds (Ray's default: 30). Busy engines can
+# take longer to answer, and a replica killed there is an engine to load again.
+- name: RAY_SERVE_SLOW_STARTUP_WARNING_S
+  value: "120"
 {{- if and .Values.modelCache.enabled $engines }}
 - name: HF_HOME
   value: {{ include "specserve.hfHome" . }}

@@ -317,8 +317,17 @@ class Pod:
         return path
 
     def _remove_cpu_cgroup(self) -> None:
-        with contextlib.suppress(OSError):
-            (CPU_CGROUPS / self.plan.name).rmdir()
+        """The pod's cgroup, once the last of its killed processes has left it (a second at
+        most here)."""
+        path = CPU_CGROUPS / self.plan.name
+        for _ in range(20):
+            try:
+                path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # busy: a process still exiting
+                time.sleep(0.25)
 
     def exec(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """What `kubectl exec`, exec probes and hooks run: the command in the running container's

@@ -317,8 +317,8 @@ class Pod:
         return path
 
     def _remove_cpu_cgroup(self) -> None:
-        """The pod's cgroup, once the last of its killed processes has left it (a second at
-        most here)."""
+        """The pod's cgroup, once the last of its killed processes has left it (waits five
+        seconds at most; an empty cgroup left behind holds nothing)."""
         path = CPU_CGROUPS / self.plan.name
         for _ in range(20):
             try:

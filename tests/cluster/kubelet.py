@@ -287,8 +287,9 @@ class Pod:
         argv = self.in_pod(command)
         if self.plan.head:
             # On a cluster the head pod has CPUs of its own (its requests). Here five pods share
-            # two cores with busy engines; within its CPU weight (below) the head's processes
-            # go first, where the kernel does not group them by session.
+            # two cores with busy engines. Niceness only counts against processes outside the
+            # head's session and cgroup: on a machine with neither the CPU cgroup (below) nor
+            # the kernel's grouping by session (autogroup), it gives the head the CPU first.
             argv = ["nice", "-n", HEAD_NICENESS, *argv]
         cgroup = self._cpu_cgroup()
         if cgroup is not None:  # the container's processes are born in its pod's cgroup

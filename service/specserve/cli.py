@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"node {result.node_id} drained in {result.waited_s:.1f} s; at the end "
                 f"{result.replicas_left} Serve replica(s) on it, {result.in_flight} request(s) "
-                "in flight through its proxy"
+                "in flight on it"
             )
             return 0
         if args.command == "model" and args.model_command == "prepare":

@@ -18,6 +18,11 @@ through the pod's HTTP proxy, and those its engines are generating, end with the
    node's metrics export port, one report interval behind, read twice in a row at zero); or
    until the deadline. The engines' own gauges are no guide: requests keep arriving at a
    replica until its replacement runs.
+4. Unless every other alive node carries the drain mark too: the whole cluster is being deleted
+   (a NewCluster upgrade deletes the old cluster; a scale to zero), so the replicas have nowhere
+   to go, and Ray Serve would keep them until the deadline. Every proxy then refuses new
+   requests, so the command waits instead for the requests the node's replicas hold (Ray Serve's
+   processing gauge) and those through its proxy, and lets the pod stop.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ DRAIN_KV_PREFIX = "draining/"
 METRICS_PORT = 8080
 # Requests in flight through a node's HTTP proxy, as the dispatch there exports them.
 IN_FLIGHT_SERIES = EXPORT_PREFIX + REQUESTS_IN_FLIGHT
+# Requests a Serve replica is processing, as Ray Serve exports them (on the replica's node).
+REPLICA_REQUESTS_SERIES = EXPORT_PREFIX + "serve_replica_processing_queries"
 # Ray Serve names each replica's actor class after this prefix.
 REPLICA_CLASS_PREFIX = "ServeReplica:"
 POLL_S = 1.0
@@ -62,14 +69,38 @@ class DrainResult:
     waited_s: float
 
 
-def proxy_in_flight(metrics_url: str) -> float | None:
-    """Requests in flight through this node's proxy, as its metrics export shows them; None if
-    unreadable."""
+def requests_on_node(metrics_url: str, *, in_replicas: bool = False) -> float | None:
+    """Requests in flight through this node's proxy (and, `in_replicas`, those its Serve
+    replicas process), as its metrics export shows them; None if unreadable."""
+    series = {IN_FLIGHT_SERIES, REPLICA_REQUESTS_SERIES} if in_replicas else {IN_FLIGHT_SERIES}
     try:
         samples = scrape(metrics_url, timeout_s=2)
-        return sum(s.value for _, s in samples if s.name == IN_FLIGHT_SERIES)
+        return sum(s.value for _, s in samples if s.name in series)
     except httpx.HTTPError:
         return None
+
+
+def nowhere_to_move(node_id: str) -> bool:
+    """Whether every other alive node carries the drain mark (the whole cluster is going); False
+    when that cannot be read."""
+    import ray
+    from ray.experimental import internal_kv
+
+    try:
+        others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_id]
+        return all(
+            internal_kv._internal_kv_exists(drain_key(other), namespace=DRAIN_KV_NAMESPACE)
+            for other in others
+        )
+    except Exception:  # the GCS is unreachable: wait as for a lone node
+        logger.exception("cannot read which nodes are draining")
+        return False
+
+
+def movable_replicas(node_id: str) -> int | None:
+    """Serve replicas on the node that Ray Serve can still move elsewhere: none once every
+    other node drains too."""
+    return 0 if nowhere_to_move(node_id) else replicas_on(node_id)
 
 
 def replicas_on(node_id: str) -> int | None:
@@ -148,19 +179,20 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
             "head" if head else "worker",
             within_s,
         )
-        replicas = 0
+        stranded = False  # replicas left here with nowhere to go: wait for their requests
         if drained_in_ray:
-            left = wait_for_zero(
-                lambda: replicas_on(node_id), "Serve replica(s)", deadline=deadline
-            )
-            replicas = int(left or 0)
+            wait_for_zero(lambda: movable_replicas(node_id), "Serve replica(s)", deadline=deadline)
+            stranded = nowhere_to_move(node_id)
+            if stranded:
+                logger.info("every other node drains too: waiting for this node's requests")
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         last = wait_for_zero(
-            lambda: proxy_in_flight(url),
-            "request(s) in flight through the proxy",
+            lambda: requests_on_node(url, in_replicas=stranded),
+            "request(s) in flight on the node" if stranded else "request(s) through the proxy",
             deadline=deadline,
             settle_s=report_interval_s() + POLL_S,
         )
+        replicas = int(replicas_on(node_id) or 0) if drained_in_ray else 0
     finally:
         ray.shutdown()
     waited = time.monotonic() - started

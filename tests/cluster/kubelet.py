@@ -12,9 +12,10 @@ the image's path). Probes and the preStop hook run inside the pod's namespaces, 
 exec probes and hooks do. Deleting a pod runs its preStop, sends SIGTERM, waits out
 `terminationGracePeriodSeconds`, then kills what is left.
 
-Cluster DNS is the hosts file every pod mounts (network.ClusterDNS). Not shown here: the image
-itself (its file system, the read-only root, the login shell's PATH), scheduling and resource
-limits (cgroups), persistent volumes.
+Cluster DNS is the hosts file every pod mounts (network.ClusterDNS). A pod's CPU request and memory
+limit are its cgroups' (cgroup v1, where this machine has it), as kubelet sets them. Not shown
+here: the image itself (its file system, the read-only root, the login shell's PATH), scheduling,
+persistent volumes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ HEAD_NICENESS = "-10"
 # a few seconds. The head's weight is raised so that it gets the cores first, as its own would.
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu/specserve-pods")
 HEAD_CPU_WEIGHT = 32
+# kubelet also puts each pod in a memory cgroup of its limit, and the container sees that cgroup
+# as its /sys/fs/cgroup/memory: Ray's memory monitor reads its node's total and use there. Without
+# it every pod's Ray took the whole machine for its node, and when two clusters shared it (a
+# NewCluster roll) each killed its own engines for the other's memory.
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory/specserve-pods")
 
 
 def cpu_shares(quantity: str) -> int:
@@ -227,6 +233,19 @@ class Pod:
             ]
         return lines
 
+    def _cgroup_mounts(self) -> list[str]:
+        """The pod's memory cgroup as the container's /sys/fs/cgroup/memory (`ip netns exec`
+        mounts a sysfs of its own, without the machine's cgroup mounts)."""
+        path = MEMORY_CGROUPS / self.plan.name
+        if not path.is_dir():
+            return []
+        return [
+            "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup",
+            "mkdir /sys/fs/cgroup/memory",
+            "mount -t cgroup -o memory memory /sys/fs/cgroup/memory",
+            f"mount --bind {shlex.quote(str(path))} /sys/fs/cgroup/memory",
+        ]
+
     def _mount_point(self, target: str, mounts: list[dict[str, Any]]) -> None:
         """A nested mount's point inside its parent volume (the runtime creates it there); a
         top-level one on the host, where the pod's mount namespace covers it."""
@@ -255,6 +274,7 @@ class Pod:
         script = "\n".join(
             [
                 "set -e",
+                *self._cgroup_mounts(),
                 *self._image_mounts(),
                 *(self.mounts if mounts is None else mounts),
                 f"cd {shlex.quote((env or self.env).get('HOME', '/'))}",
@@ -284,6 +304,7 @@ class Pod:
         self.command = command
         self.dir.mkdir(parents=True, exist_ok=True)
         log = self.log.open("ab")
+        cgroups = [c for c in (self._cpu_cgroup(), self._memory_cgroup()) if c is not None]
         argv = self.in_pod(command)
         if self.plan.head:
             # On a cluster the head pod has CPUs of its own (its requests). Here five pods share
@@ -291,9 +312,10 @@ class Pod:
             # head's session and cgroup: on a machine with neither the CPU cgroup (below) nor
             # the kernel's grouping by session (autogroup), it gives the head the CPU first.
             argv = ["nice", "-n", HEAD_NICENESS, *argv]
-        cgroup = self._cpu_cgroup()
-        if cgroup is not None:  # the container's processes are born in its pod's cgroup
-            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+        if cgroups:  # the container's processes are born in its pod's cgroups
+            procs = [shlex.quote(str(c / "cgroup.procs")) for c in cgroups]
+            joins = " && ".join(f"echo $$ > {p}" for p in procs)
+            argv = ["sh", "-c", f'{joins} && exec "$@"', "sh", *argv]
         self.process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -317,18 +339,33 @@ class Pod:
             return None
         return path
 
-    def _remove_cpu_cgroup(self) -> None:
-        """The pod's cgroup, once the last of its killed processes has left it (waits five
+    def _memory_cgroup(self) -> Path | None:
+        """The pod's memory cgroup, limited to its memory limit; None where it has none or
+        cgroup v1's memory controller cannot be written."""
+        limit = self.plan.container.get("resources", {}).get("limits", {}).get("memory")
+        if limit is None:
+            return None
+        path = MEMORY_CGROUPS / self.plan.name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "memory.limit_in_bytes").write_text(str(quantity_bytes(str(limit))))
+        except OSError as error:
+            print(f"{self.plan.name}: no memory limit ({error})")
+            return None
+        return path
+
+    def _remove_cgroups(self) -> None:
+        """The pod's cgroups, once the last of its killed processes has left them (waits five
         seconds at most; an empty cgroup left behind holds nothing)."""
-        path = CPU_CGROUPS / self.plan.name
-        for _ in range(20):
-            try:
-                path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:  # busy: a process still exiting
-                time.sleep(0.25)
+        for path in (CPU_CGROUPS / self.plan.name, MEMORY_CGROUPS / self.plan.name):
+            for _ in range(20):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # busy: a process still exiting
+                    time.sleep(0.25)
 
     def exec(self, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """What `kubectl exec`, exec probes and hooks run: the command in the running container's
@@ -421,7 +458,7 @@ class Pod:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(self.all_processes(), timeout=10)
-        self._remove_cpu_cgroup()
+        self._remove_cgroups()
         took["total_s"] = time.monotonic() - started
         return took
 
@@ -429,7 +466,7 @@ class Pod:
         if self.prober is not None:
             self.prober.stop()
         self.kill_processes()
-        self._remove_cpu_cgroup()
+        self._remove_cgroups()
 
     def kill_processes(self) -> None:
         for process in self.all_processes():

@@ -43,10 +43,9 @@ test: model
 	$(PYTEST) -ra -v --durations=10 tests/cluster -m "not long"
 
 # What `make test` leaves out to fit CI's 90 minutes on two cores (marked `long`: the closed
-# loop, the mismatched arm's checks, the engine kill under load, the chart's upgrades).
+# loop, the mismatched arm's checks, the engine kill under load).
 test-long: model
 	$(PYTEST) -ra -v --durations=10 --ignore=tests/cluster -m long
-	$(PYTEST) -ra -v --durations=10 tests/cluster -m long
 
 test-unit: install
 	$(PYTEST) -ra -m unit --ignore=tests/cluster

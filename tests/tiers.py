@@ -10,8 +10,8 @@ each tier's time, recorded by the run, is held to a budget.
 - `e2e`: a whole workflow: `specserve serve`, the drafter build, the rendered chart run as a
   cluster.
 - `long`: what CI's 90 minutes on two cores cannot hold beside the rest (the closed loop end to
-  end, the mismatched arm's checks, the engine kill under load, the chart's upgrades and head
-  deletion): `make test-long` runs it, `make test` does not.
+  end, the mismatched arm's checks, the engine kill under load): `make test-long` runs it, `make
+  test` does not.
 
 A test's tier is the first of long, e2e, disruptive, live, ray it is marked with, else ray for
 a test marked `own_cluster`, else unit. A session prints each tier's time and fails when one
@@ -52,8 +52,10 @@ TIERS = (LONG, E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these 
 # test`: the closed loop's e2e test (995 s on B), the mismatched arm's module (597), the engine
 # kill under load (328), tests/cluster's upgrades (~690) and head deletion (276). What stayed
 # measured unit 117, ray 835, live ~960, disruptive 218, e2e 349, tests/cluster 738 on B.
+# The head's deletion, then the upgrades, came back into tests/cluster once they passed in
+# whole runs (with pods' memory cgroups and the stranded drain): 1,362 s on B.
 BUDGETS_S = {UNIT: 100, RAY: 650, LIVE: 800, DISRUPTIVE: 300, E2E: 300}
-CLUSTER_BUDGET_S = 1100  # tests/cluster: e2e, in a pytest run of its own
+CLUSTER_BUDGET_S = 1400  # tests/cluster: e2e, in a pytest run of its own
 # `make test-long` (each of its two pytest runs): the loop's test took 617 s alone on B and 989
 # s late in a whole run there, the mismatched arm's module 597, the engine kill 328.
 LONG_BUDGET_S = 1200

@@ -358,8 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             result = drain_node(args.within_s, metrics_port=args.metrics_port)
             print(
                 f"node {result.node_id} drained in {result.waited_s:.1f} s; at the end "
-                f"{result.replicas_left} Serve replica(s) on it, {result.in_flight} request(s) "
+                f"{result.replicas_left} Serve replica(s) to move, {result.in_flight} request(s) "
                 "in flight on it"
+                + (
+                    " (every other node drains too: its replicas stop with it)"
+                    if result.stranded
+                    else ""
+                )
             )
             return 0
         if args.command == "model" and args.model_command == "prepare":

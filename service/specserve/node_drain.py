@@ -64,7 +64,10 @@ class DrainResult:
     node_id: str
     head: bool
     drained_in_ray: bool
-    replicas_left: int  # Serve replicas still on the node at the end
+    # Serve replicas Ray Serve could still move when the wait ended (0 also once the node was
+    # stranded: every other node draining too, its replicas staying till the pod stops)
+    replicas_left: int
+    stranded: bool
     in_flight: float | None  # at the end; None: the metrics port could not be read
     waited_s: float
 
@@ -180,8 +183,12 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
             within_s,
         )
         stranded = False  # replicas left here with nowhere to go: wait for their requests
+        replicas = 0
         if drained_in_ray:
-            wait_for_zero(lambda: movable_replicas(node_id), "Serve replica(s)", deadline=deadline)
+            left = wait_for_zero(
+                lambda: movable_replicas(node_id), "Serve replica(s)", deadline=deadline
+            )
+            replicas = int(left or 0)
             stranded = nowhere_to_move(node_id)
             if stranded:
                 logger.info("every other node drains too: waiting for this node's requests")
@@ -192,11 +199,11 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
             deadline=deadline,
             settle_s=report_interval_s() + POLL_S,
         )
-        replicas = int(replicas_on(node_id) or 0) if drained_in_ray else 0
     finally:
         ray.shutdown()
     waited = time.monotonic() - started
-    return DrainResult(node_id, head, drained_in_ray, replicas, last, waited)
+    # Not counted again here: a head that drained first may be gone, and with it Ray's state API.
+    return DrainResult(node_id, head, drained_in_ray, replicas, stranded, last, waited)
 
 
 def _is_head(node: dict) -> bool:

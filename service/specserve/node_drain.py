@@ -22,7 +22,8 @@ through the pod's HTTP proxy, and those its engines are generating, end with the
    (a NewCluster upgrade deletes the old cluster; a scale to zero), so the replicas have nowhere
    to go, and Ray Serve would keep them until the deadline. Every proxy then refuses new
    requests, so the command waits instead for the requests the node's replicas hold (Ray Serve's
-   processing gauge) and those through its proxy, and lets the pod stop.
+   processing gauge) and those through its proxy, and lets the pod stop. The head then waits
+   for the other nodes to stop before it does: their raylets need its GCS.
 """
 
 from __future__ import annotations
@@ -83,14 +84,20 @@ def requests_on_node(metrics_url: str, *, in_replicas: bool = False) -> float | 
         return None
 
 
+def other_nodes(node_id: str) -> list[str]:
+    """The cluster's other alive nodes (Ray's GCS)."""
+    import ray
+
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_id]
+
+
 def nowhere_to_move(node_id: str) -> bool:
     """Whether every other alive node carries the drain mark (the whole cluster is going); False
     when that cannot be read."""
-    import ray
     from ray.experimental import internal_kv
 
     try:
-        others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_id]
+        others = other_nodes(node_id)
         return all(
             internal_kv._internal_kv_exists(drain_key(other), namespace=DRAIN_KV_NAMESPACE)
             for other in others
@@ -199,6 +206,14 @@ def drain_node(within_s: float, *, metrics_port: int = METRICS_PORT) -> DrainRes
             deadline=deadline,
             settle_s=report_interval_s() + POLL_S,
         )
+        if head and nowhere_to_move(node_id):
+            # The whole cluster is going: the head goes last, as the workers' raylets give up a
+            # minute after the GCS does, ending the requests they still hold.
+            stranded = True
+            logger.info("every other node drains too: waiting for them to stop")
+            wait_for_zero(
+                lambda: len(other_nodes(node_id)), "other node(s) draining", deadline=deadline
+            )
     finally:
         ray.shutdown()
     waited = time.monotonic() - started

@@ -51,6 +51,8 @@ def test_replicas_have_nowhere_to_move_once_every_other_node_carries_the_drain_m
         this_node = ray.get_runtime_context().get_node_id()
         # The node asking is a worker that has left the list; the one alive node is the other.
         leaving = "0" * len(this_node)
+        assert node_drain.other_nodes(leaving) == [this_node]
+        assert node_drain.other_nodes(this_node) == []  # a head left alone stops waiting
         assert not node_drain.nowhere_to_move(leaving)
         internal_kv._internal_kv_put(
             node_drain.drain_key(this_node), b"0", namespace=node_drain.DRAIN_KV_NAMESPACE

@@ -197,7 +197,9 @@ def test_an_upgrade_of_the_cluster_spec_rolls_a_new_cluster_under_load_and_loses
     records = load.records()
     lost = [r for r in records if r["outcome"] != "ok"]
     during = [r for r in records if upgraded_at < r["started"] < switched_at]
-    new_urls = {cluster.api_url(p) for p in cluster.serving_pods()}
+    # Every pod the harness runs is now the new cluster's (Ready or not: on two starved cores a
+    # worker's 2-s readiness probe may miss once, taking it out of the endpoints a while).
+    new_urls = {cluster.api_url(p) for p in cluster.pods.values()}
     print(f"{done}; {len(records)} requests, {len(during)} started during the roll; lost: {lost}")
     assert len(done) == 1 and done[0].startswith("rolled to a new cluster"), done
     assert during, "no request was sent while the cluster rolled"

@@ -3,7 +3,10 @@ beside what runs, then smaller batches and sequences, else one line saying why n
 estimate against measured peaks is checked on real Ray Train workers beside serving engines in
 tests/integration/test_mismatched_arm_live.py."""
 
+import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +85,53 @@ def test_this_nodes_memory_and_the_threshold_ray_kills_at(monkeypatch):
     assert memory.node_memory("here").threshold == 0.8
 
 
+# A container's view: its own memory cgroup (v1) mounted as /sys/fs/cgroup/memory in a mount
+# namespace of its own, as a container runtime (and tests/cluster/kubelet.py) sets it up.
+IN_CONTAINER = """
+set -e
+echo $$ > {cgroup}/cgroup.procs
+mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+mkdir /sys/fs/cgroup/memory
+mount -t cgroup -o memory memory /sys/fs/cgroup/memory
+mount --bind {cgroup} /sys/fs/cgroup/memory
+exec {python} -c 'import json; from dataclasses import asdict; from specserve.drafter import \
+memory; print(json.dumps(asdict(memory.node_memory("pod"))))'
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory/cgroup.procs").exists(),
+    reason="needs root and the cgroup v1 memory controller",
+)
+def test_in_a_pod_the_node_is_its_memory_cgroup_as_ray_reads_it(tmp_path):
+    """On a cgroup v1 node (a pod's limit in memory.limit_in_bytes), adapt plans in the pod's
+    limit, not the machine's: it once read cgroup v2 alone, and planned in the machine's 24 GB
+    inside a 6 GB pod."""
+    import subprocess
+    import sys
+    import uuid
+
+    cgroup = Path("/sys/fs/cgroup/memory") / f"specserve-test-{uuid.uuid4().hex[:8]}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "memory.limit_in_bytes").write_text(str(3 * GB))
+        script = IN_CONTAINER.format(cgroup=cgroup, python=sys.executable)
+        run = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        cgroup.rmdir()
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = NodeMemory(**json.loads(run.stdout.strip().splitlines()[-1]))
+    assert seen.total == 3 * GB
+    # What the process uses (Python, torch and Ray imported), not the machine's used memory.
+    assert 0 < seen.used < 1 * GB
+    assert seen.room == pytest.approx(0.95 * 3 * GB - seen.used, abs=2)
+
+
 def test_the_targets_shape_and_weights_come_from_its_directory(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16,'
@@ -132,7 +182,6 @@ print(json.dumps({"loaded": loaded, "peak": peak}))
 def test_the_estimate_holds_a_workers_measured_peak(lengths, answer):
     """Sequences as a worker computes their states: the measured peak stays under the plan's
     estimate of the whole worker, and what the forwards add under its estimate of a forward."""
-    import json
     import subprocess
     import sys
 
@@ -166,7 +215,6 @@ def test_the_plan_counts_the_replayed_answers_beside_the_captured_rows(tmp_path)
     """The replayed build answers go through the workers' forwards too: the plan sizes them
     by the longest of both (it once counted the captured rows alone, 240 tokens, and a worker
     went past its estimate on a 2,670-token replayed answer)."""
-    import json
 
     from transformers import AutoTokenizer
 

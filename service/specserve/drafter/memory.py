@@ -67,27 +67,19 @@ class NodeMemory:
 
 def node_memory(node: str) -> NodeMemory:
     """The memory of the node this runs on, labelled `node` (adapt runs it there as a Ray task:
-    `adapt.memory_plan`)."""
+    `adapt.memory_plan`), read as Ray's monitor reads it: the container's cgroup (v1 or v2) where
+    there is one, its file pages (the kernel's to take back) not counted as used; else the
+    machine's."""
     import psutil
+    from ray._private.utils import get_cgroup_mem_stats
 
     threshold = float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))
     machine = psutil.virtual_memory()
     total, used = machine.total, machine.total - machine.available
-    limit, current = _cgroup_memory()
-    if limit is not None and limit < total:
-        total, used = limit, current if current is not None else used
+    cgroup = get_cgroup_mem_stats()  # (used, limit), the limit capped at the machine's memory
+    if cgroup is not None and cgroup[1] < total:
+        used, total = cgroup
     return NodeMemory(node, total, used, threshold)
-
-
-def _cgroup_memory() -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's cgroup v2, (None, None) without a limit."""
-    base = Path("/sys/fs/cgroup")
-    try:
-        limit = (base / "memory.max").read_text().strip()
-        current = int((base / "memory.current").read_text())
-    except (OSError, ValueError):
-        return None, None
-    return (None, None) if limit == "max" else (int(limit), current)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ TARGET = TargetShape(
     hidden=576,
     intermediate=1536,
     heads=9,
+    vocab=49152,
     weight_bytes=538 * 2**20,
     file_bytes=269 * 2**20,
 )
@@ -135,11 +136,12 @@ def test_in_a_pod_the_node_is_its_memory_cgroup_as_ray_reads_it(tmp_path):
 def test_the_targets_shape_and_weights_come_from_its_directory(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16,'
-        ' "num_attention_heads": 2, "dtype": "bfloat16"}'
+        ' "num_attention_heads": 2, "vocab_size": 32, "dtype": "bfloat16"}'
     )
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     shape = TargetShape.of(str(tmp_path), 4)
-    assert (shape.layers, shape.hidden, shape.weight_bytes, shape.file_bytes) == (2, 8, 2000, 1000)
+    assert (shape.layers, shape.hidden, shape.vocab) == (2, 8, 32)
+    assert (shape.weight_bytes, shape.file_bytes) == (2000, 1000)
 
 
 def test_sequences_summarise_lengths_and_a_shards_size():
@@ -209,6 +211,58 @@ def test_the_estimate_holds_a_workers_measured_peak(lengths, answer):
     print(f"peak {measured['peak'] / GB:.2f} GB (estimate {worker / GB:.2f}), forwards")
     print(f"+{added / GB:.2f} GB (estimate {forward / GB:.2f})")
     assert measured["peak"] <= worker and added <= forward
+
+
+# adapt's training stage in a process of its own: the shipped drafter on the target's embedding,
+# trained on sequences of a replayed answer's length (one to a forward); what it adds.
+TRAINING_PROBE = """
+import json, sys, tempfile
+from pathlib import Path
+from specserve.bench.train_speed import synthetic_records
+from specserve.drafter import memory
+from specserve.drafter.model import Drafter
+from specserve.drafter.train import TrainConfig, target_weights, train
+
+target, base = sys.argv[1:3]
+model_config = Drafter.from_pretrained(base).config
+records = synthetic_records(24, 2048, 160, model_config, spread=0.3)
+before = memory.anonymous_bytes()
+with memory.AnonymousPeak() as used:
+    model = Drafter.from_pretrained(base, target_weights(target)["embed"])
+    config = TrainConfig(updates=4, lr=3e-4, validate_every=1 << 30, checkpoint_every=1 << 30)
+    train(model, records, Path(tempfile.mkdtemp()), config, desc="probe")
+print(json.dumps({"added": used.peak - before}))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_training_adds_no_more_than_its_estimate():
+    """The drafter's state and an update's tensors, measured, against `training_bytes`."""
+    import subprocess
+    import sys
+
+    from specserve.config.schema import load_config
+    from specserve.config.settings import DEFAULT_CONFIG_PATH
+    from specserve.drafter.model import Drafter
+    from specserve.models import resolve_drafter_source, resolve_model_source
+
+    target = resolve_model_source(load_config(DEFAULT_CONFIG_PATH).config.model.source)
+    base = resolve_drafter_source("package://eagle3.1")
+    run = subprocess.run(
+        [sys.executable, "-c", TRAINING_PROBE, target, base],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    added = json.loads(run.stdout.strip().splitlines()[-1])["added"]
+    config = Drafter.from_pretrained(base).config
+    sizes = Sizes(4096, 3072, 512, 3, config.draft_vocab_size, memory.checkpoint_params(base))
+    data = Sequences.of([2048], per_shard=24)
+    estimate = memory.training_bytes(TargetShape.of(target, 4), data, sizes)
+    print(f"training added {added / GB:.2f} GB (estimate {estimate / GB:.2f})")
+    assert 0.3 * estimate < added <= estimate
 
 
 def test_the_plan_counts_the_replayed_answers_beside_the_captured_rows(tmp_path):

@@ -355,8 +355,10 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
     """The workers and sizes that fit in the memory the Ray nodes have below the kill threshold
     now (memory.py); MemoryPlanError where not one worker does."""
     import ray
+    import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from specserve.drafter.train import batch_tokens_for
     from specserve.hardware import fast_dtype
 
     read = ray.remote(num_cpus=0)(memory.node_memory)
@@ -378,6 +380,8 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
         tokens_per_update=train["tokens_per_update"],
         steps=train["steps"],
         draft_vocab=draft.get("draft_vocab_size", draft["vocab_size"]),
+        drafter_params=memory.checkpoint_params(spec["base"]),
+        train_batch_tokens=batch_tokens_for(train["batch_tokens"], torch.device("cpu")),
     )
     data = planned_sequences(spec, config.target_dir)
     target = memory.TargetShape.of(config.target_dir, dtype_bytes)

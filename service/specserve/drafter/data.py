@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -291,6 +292,12 @@ def _write_shards(
         torch.save(records, tmp)
         tmp.chmod(0o600)  # token ids that decode to prompts and answers: the owner's only
         tmp.rename(path)
+    # The target's weights go now, not when the caller's training ends: freed blocks that glibc
+    # keeps count as used (memory.py), and training follows in the same process (1 GB held
+    # into an adapt worker's training without this, measured: docs/drafters.md, "Memory").
+    del model
+    gc.collect()
+    give_back_freed()
     return shards
 
 

@@ -14,8 +14,10 @@ A worker's peak (measured: docs/drafters.md, "Memory"), on a CPU:
 - one feature forward: every layer's hidden states (transformers keeps them all with
   `output_hidden_states`), the MLP's intermediate activations and the attention scores of the
   longest sequence in it, for `batch_tokens` padded tokens;
-- one training update: the drafter unrolled `steps` deep over the update's tokens, its logits
-  over the draft vocabulary and their gradients dominating.
+- training, which follows the features in the same process once the target's weights are gone
+  (data.py hands their pages back): the target's embedding and the drafter's weights, gradients
+  and AdamW moments in float32, and one update, the drafter unrolled `steps` deep over the
+  update's tokens, its logits over the draft vocabulary and their gradients dominating.
 Feature records on disk are memory-mapped while training (train.load_records): page cache that
 the kernel takes back under pressure, which Ray's monitor does not count as used.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import os
 import threading
 from dataclasses import asdict, dataclass, replace
@@ -38,6 +41,9 @@ RAY_DEFAULT_THRESHOLD = 0.95
 PROCESS_BYTES = 1200 * 2**20
 # Measured peaks over the sum of the tensors a forward holds (allocator slack, copies): 2.2-2.3x.
 SLACK = 2.3
+# Float32 values per hidden unit that one training forward keeps per padded token for its backward
+# (the drafter's step-0 pass over the context, the unrolled steps' layers and attention).
+TRAIN_ACTIVATIONS = 64
 # What the estimate may miss (allocator slack, threads' buffers): kept free besides.
 MARGIN = 0.15
 # The smallest sizes a plan goes down to before it refuses.
@@ -88,6 +94,7 @@ class TargetShape:
     hidden: int
     intermediate: int
     heads: int
+    vocab: int
     weight_bytes: int  # in the dtype the features run in
     file_bytes: int  # the checkpoint, mapped while it is converted to that dtype
 
@@ -102,6 +109,7 @@ class TargetShape:
             hidden=config["hidden_size"],
             intermediate=config["intermediate_size"],
             heads=config["num_attention_heads"],
+            vocab=config["vocab_size"],
             weight_bytes=files * dtype_bytes // stored_bytes,
             file_bytes=files,
         )
@@ -129,6 +137,16 @@ class Sizes:
     tokens_per_update: int
     steps: int
     draft_vocab: int
+    drafter_params: int = 0  # the drafter's own weights (not the target's embedding it shares)
+    train_batch_tokens: int = 2048  # padded tokens per training forward (train.BATCH_TOKENS)
+
+
+def checkpoint_params(directory: str | Path) -> int:
+    """The number of weights in a checkpoint's model.safetensors, read from its header."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
 
 
 def forward_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
@@ -147,14 +165,26 @@ def forward_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
     return int(SLACK * (states + scores) + shard)
 
 
-def worker_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
-    """The estimated peak of one worker: the process and the target's weights, and the largest of
-    the checkpoint's mapping while it loads, one feature forward and one training update."""
-    # Logits, probabilities and their gradients over the draft vocabulary, in float32, per
-    # unrolled step (the drafter's own layer is small beside them).
+def training_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
+    """What training holds: the target's embedding and the drafter's weights, gradients and two
+    AdamW moments, all in float32; one update's logits, probabilities and their gradients over
+    the draft vocabulary per unrolled step; and one forward's activations kept for its backward,
+    over its padded tokens (a sequence longer than a forward's budget goes alone).
+    `TRAIN_ACTIVATIONS` covers measured runs of the embedded target's drafter: 0.53-0.64 GB
+    added at 2,048 tokens a forward, 0.69 GB at 2,690 (docs/drafters.md, "Memory")."""
+    state = 4 * target.vocab * target.hidden + 4 * 4 * sizes.drafter_params
     update = sizes.tokens_per_update * sizes.steps * (4 * sizes.draft_vocab * 4)
-    forward = forward_bytes(target, data, sizes)
-    return int(PROCESS_BYTES + target.weight_bytes + max(target.file_bytes, forward, update))
+    positions = max(sizes.train_batch_tokens, min(data.longest, sizes.max_len))
+    activations = positions * TRAIN_ACTIVATIONS * target.hidden * 4
+    return state + update + activations
+
+
+def worker_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
+    """The estimated peak of one worker: the process, and the larger of its two stages: the
+    target's weights with the largest of the checkpoint's mapping while it loads and one feature
+    forward, then training."""
+    features = target.weight_bytes + max(target.file_bytes, forward_bytes(target, data, sizes))
+    return int(PROCESS_BYTES + max(features, training_bytes(target, data, sizes)))
 
 
 @dataclass(frozen=True)

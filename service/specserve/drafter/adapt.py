@@ -61,6 +61,11 @@ FAILED = "failed.txt"  # ... or why it failed once started (Ray's memory monitor
 ORIGINAL_SETS = ("chat", "coding")
 
 
+def adapt_training() -> TrainConfig:
+    """adapt's training settings: one epoch at a lower rate than a build's, validated often."""
+    return TrainConfig(epochs=1.0, lr=3e-4, validate_every=25)
+
+
 @dataclass
 class AdaptConfig:
     base: str  # the serving drafter: package://NAME or a directory
@@ -89,9 +94,7 @@ class AdaptConfig:
     eval_max_tokens: int = 128
     original_per_set: int = 12
     max_forgetting: float = MAX_FORGETTING
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(epochs=1.0, lr=3e-4, validate_every=25)
-    )
+    train: TrainConfig = field(default_factory=adapt_training)
 
     def __post_init__(self) -> None:
         # Ray Train's workers run in directories of their own: a relative path would name

@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"keep_freed": args.keep_freed, "base": base, "passes": passes}
     report |= {"measured": measured, "estimate": estimate, "longest": sequences.longest}
     if training is not None:
-        sizes = replace(sizes, tokens_per_update=512, steps=3, draft_vocab=DRAFT_VOCAB)
-        sizes = replace(sizes, drafter_params=memory.checkpoint_params(base_drafter()))
-        training["estimate"] = memory.training_bytes(shape, sequences, sizes)
+        from specserve.drafter.adapt import adapt_training, planned_sizes
+
+        planned = planned_sizes(adapt_training(), base_drafter())
+        training["estimate"] = memory.training_bytes(shape, sequences, planned)
         report["training"] = training
         print(
             f"training: {training['held_before'] / GB:.2f} GB held before it, peak "
@@ -145,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
-
-
-DRAFT_VOCAB = 8192  # the shipped drafters'
 
 
 def base_drafter() -> str:

@@ -358,10 +358,8 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
     """The workers and sizes that fit in the memory the Ray nodes have below the kill threshold
     now (memory.py); MemoryPlanError where not one worker does."""
     import ray
-    import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from specserve.drafter.train import batch_tokens_for
     from specserve.hardware import fast_dtype
 
     read = ray.remote(num_cpus=0)(memory.node_memory)
@@ -375,20 +373,29 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
         ]
     )
     dtype_bytes = 2 if fast_dtype() == "bfloat16" else 4
-    train = spec["config"]
-    draft = json.loads((Path(spec["base"]) / "config.json").read_text())
-    sizes = memory.Sizes(
-        batch_tokens=FEATURE_BATCH_TOKENS["cpu"],
-        max_len=FEATURE_MAX_LEN,
-        tokens_per_update=train["tokens_per_update"],
-        steps=train["steps"],
-        draft_vocab=draft.get("draft_vocab_size", draft["vocab_size"]),
-        drafter_params=memory.checkpoint_params(spec["base"]),
-        train_batch_tokens=batch_tokens_for(train["batch_tokens"], torch.device("cpu")),
-    )
+    sizes = planned_sizes(TrainConfig(**spec["config"]), spec["base"])
     data = planned_sequences(spec, config.target_dir)
     target = memory.TargetShape.of(config.target_dir, dtype_bytes)
     return memory.plan(config.workers, found, target, data, sizes)
+
+
+def planned_sizes(train: TrainConfig, base: str) -> memory.Sizes:
+    """The sizes a CPU worker starts from: the feature pass's defaults, and the training's
+    settings and drafter (`base`, a checkpoint directory)."""
+    import torch
+
+    from specserve.drafter.train import batch_tokens_for
+
+    draft = json.loads((Path(base) / "config.json").read_text())
+    return memory.Sizes(
+        batch_tokens=FEATURE_BATCH_TOKENS["cpu"],
+        max_len=FEATURE_MAX_LEN,
+        tokens_per_update=train.tokens_per_update,
+        steps=train.steps,
+        draft_vocab=draft.get("draft_vocab_size", draft["vocab_size"]),
+        drafter_params=memory.checkpoint_params(base),
+        train_batch_tokens=batch_tokens_for(train.batch_tokens, torch.device("cpu")),
+    )
 
 
 def planned_sequences(spec: dict, target_dir: str) -> memory.Sequences:

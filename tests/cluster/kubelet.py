@@ -54,9 +54,12 @@ HEAD_NICENESS = "-10"
 # engines: its dashboard agent missed the raylet's 15 s at every start. Weighed by its request
 # alone, one pod in five on two cores, a new head still took 23 s: its start is a burst of
 # processes (GCS, raylet, dashboard, monitors, agents) that its own 2 CPUs would take in
-# a few seconds. The head's weight is raised so that it gets the cores first, as its own would.
+# a few seconds. The head's weight is raised so that it gets the cores first, as its own would;
+# so is every pod's while its container starts (until its startup probe passes): a NewCluster
+# roll's new worker, weighed by its request beside the old cluster's streaming engines, missed
+# Ray's fixed 30 s for its raylet to register three starts in a row.
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu/specserve-pods")
-HEAD_CPU_WEIGHT = 32
+RAISED_CPU_WEIGHT = 32
 # kubelet also puts each pod in a memory cgroup of its limit, and the container sees that cgroup
 # as its /sys/fs/cgroup/memory: Ray's memory monitor reads its node's total and use there. Without
 # it every pod's Ray took the whole machine for its node, and when two clusters shared it (a
@@ -332,12 +335,20 @@ class Pod:
             return None
         try:
             path.mkdir(parents=True, exist_ok=True)
-            weight = HEAD_CPU_WEIGHT if self.plan.head else 1
-            (path / "cpu.shares").write_text(str(cpu_shares(str(request)) * weight))
+            self.weigh_cpu(starting=True)
         except OSError as error:
             print(f"{self.plan.name}: no CPU weight from its request ({error})")
             return None
         return path
+
+    def weigh_cpu(self, starting: bool) -> None:
+        """The pod's `cpu.shares`: its request's, raised for the head and while it starts."""
+        request = self.plan.container.get("resources", {}).get("requests", {}).get("cpu")
+        shares = CPU_CGROUPS / self.plan.name / "cpu.shares"
+        if request is None or not shares.parent.is_dir():  # no CPU cgroup (_cpu_cgroup)
+            return
+        weight = RAISED_CPU_WEIGHT if self.plan.head or starting else 1
+        shares.write_text(str(cpu_shares(str(request)) * weight))
 
     def _memory_cgroup(self) -> Path | None:
         """The pod's memory cgroup, limited to its memory limit; None where it has none or
@@ -495,6 +506,9 @@ class Prober(threading.Thread):
     def _container_started(self) -> None:
         self.ready = False
         self.started = "startup" not in self.probes
+        if self.started:  # no startup probe: started as soon as it runs
+            with contextlib.suppress(OSError):
+                self.pod.weigh_cpu(starting=False)
         self._failures: dict[str, int] = {}
         begun = time.monotonic()
         self._due = {kind: begun + p.initial_delay_s for kind, p in self.probes.items()}
@@ -538,6 +552,8 @@ class Prober(threading.Thread):
         self._failures[kind] = failures
         if kind == "startup" and ok:
             self.started = True
+            with contextlib.suppress(OSError):
+                self.pod.weigh_cpu(starting=False)
         elif kind == "readiness":
             if ok:
                 self.ready = True

@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.drafter import data, memory
     from specserve.drafter.data import FEATURE_BATCH_TOKENS, FEATURE_MAX_LEN, SHARD_SEQUENCES
     from specserve.drafter.model import DrafterConfig
-    from specserve.hardware import fast_dtype
     from specserve.models import resolve_model_source
 
     parser = argparse.ArgumentParser(
@@ -120,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             done("training", args.train, "updates")
             training = {"held_before": before_training, "peak": in_training.peak}
             training["added"] = in_training.peak - before_training
-    shape = memory.TargetShape.of(target, 2 if fast_dtype() == "bfloat16" else 4)
+    shape = memory.TargetShape.of(target)
     sequences = memory.Sequences.of(lengths, SHARD_SEQUENCES)
     sizes = memory.Sizes(FEATURE_BATCH_TOKENS["cpu"], FEATURE_MAX_LEN, 0, 0, 0)
     estimate = shape.weight_bytes + memory.forward_bytes(shape, sequences, sizes)
-    measured = max(p["peak"] for p in passes) - base
+    measured = max(p["peak"] for p in passes if p["pass"] != "training") - base
     print(
         f"the target and its forwards: {measured / GB:.2f} GB at the peak, estimated "
         f"{estimate / GB:.2f} GB (longest sequence {sequences.longest} tokens; "

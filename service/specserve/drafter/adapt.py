@@ -360,8 +360,6 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from specserve.hardware import fast_dtype
-
     read = ray.remote(num_cpus=0)(memory.node_memory)
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
     found = ray.get(
@@ -372,10 +370,9 @@ def memory_plan(config: AdaptConfig, spec: dict) -> memory.Plan:
             for n in nodes
         ]
     )
-    dtype_bytes = 2 if fast_dtype() == "bfloat16" else 4
     sizes = planned_sizes(TrainConfig(**spec["config"]), spec["base"])
     data = planned_sequences(spec, config.target_dir)
-    target = memory.TargetShape.of(config.target_dir, dtype_bytes)
+    target = memory.TargetShape.of(config.target_dir)
     return memory.plan(config.workers, found, target, data, sizes)
 
 

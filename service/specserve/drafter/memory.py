@@ -44,6 +44,9 @@ SLACK = 2.3
 # Float32 values per hidden unit that one training forward keeps per padded token for its backward
 # (the drafter's step-0 pass over the context, the unrolled steps' layers and attention).
 TRAIN_ACTIVATIONS = 64
+# Under bf16 autocast (a CPU with bf16 instructions) training keeps about twice those: it added
+# 1.18 GB where float32's terms estimated 0.81 GB (docs/drafters.md, "Memory").
+BF16_AUTOCAST_ACTIVATIONS = 2
 # What the estimate may miss (allocator slack, threads' buffers): kept free besides.
 MARGIN = 0.15
 # The smallest sizes a plan goes down to before it refuses.
@@ -97,9 +100,16 @@ class TargetShape:
     vocab: int
     weight_bytes: int  # in the dtype the features run in
     file_bytes: int  # the checkpoint, mapped while it is converted to that dtype
+    dtype_bytes: int = 4  # that dtype's: 2 where features and training run in bf16 (autocast)
 
     @classmethod
-    def of(cls, target_dir: str, dtype_bytes: int) -> TargetShape:
+    def of(cls, target_dir: str, dtype_bytes: int | None = None) -> TargetShape:
+        """The target's shape from its checkpoint, for features in `dtype_bytes` (default: this
+        machine's, bf16 where its CPU has bf16 instructions or on a GPU, else float32)."""
+        if dtype_bytes is None:
+            from specserve.hardware import fast_dtype
+
+            dtype_bytes = 2 if fast_dtype() == "bfloat16" else 4
         config = json.loads((Path(target_dir) / "config.json").read_text())
         stored = {"float32": 4, "bfloat16": 2, "float16": 2}
         stored_bytes = stored.get(config.get("dtype") or config.get("torch_dtype"), 2)
@@ -112,6 +122,7 @@ class TargetShape:
             vocab=config["vocab_size"],
             weight_bytes=files * dtype_bytes // stored_bytes,
             file_bytes=files,
+            dtype_bytes=dtype_bytes,
         )
 
 
@@ -176,6 +187,8 @@ def training_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
     update = sizes.tokens_per_update * sizes.steps * (4 * sizes.draft_vocab * 4)
     positions = max(sizes.train_batch_tokens, min(data.longest, sizes.max_len))
     activations = positions * TRAIN_ACTIVATIONS * target.hidden * 4
+    if target.dtype_bytes == 2:  # bf16 autocast keeps its casts beside the float32 activations
+        activations *= BF16_AUTOCAST_ACTIVATIONS
     return state + update + activations
 
 

@@ -326,8 +326,7 @@ class Pod:
     def _cpu_cgroup(self) -> Path | None:
         """The pod's CPU cgroup, weighted by its CPU request; None where cgroup v1's cpu
         controller cannot be written (then the kernel's default weighs it)."""
-        request = self.plan.container.get("resources", {}).get("requests", {}).get("cpu")
-        if request is None:
+        if self._cpu_request() is None:
             return None
         path = CPU_CGROUPS / self.plan.name
         if not (CPU_CGROUPS.parent / "cpu.shares").exists():  # no cgroup v1 cpu controller
@@ -341,9 +340,12 @@ class Pod:
             return None
         return path
 
+    def _cpu_request(self) -> str | None:
+        return self.plan.container.get("resources", {}).get("requests", {}).get("cpu")
+
     def weigh_cpu(self, starting: bool) -> None:
         """The pod's `cpu.shares`: its request's, raised for the head and while it starts."""
-        request = self.plan.container.get("resources", {}).get("requests", {}).get("cpu")
+        request = self._cpu_request()
         shares = CPU_CGROUPS / self.plan.name / "cpu.shares"
         if request is None or not shares.parent.is_dir():  # no CPU cgroup (_cpu_cgroup)
             return

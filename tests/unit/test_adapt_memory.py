@@ -313,6 +313,30 @@ def test_the_peak_is_this_processs_anonymous_memory_while_the_block_ran():
     assert memory.anonymous_bytes() < used.peak  # it was given back: a peak, not the end
 
 
+@pytest.mark.skipif(memory._glibc() is None, reason="malloc_trim is glibc's")
+def test_training_hands_freed_pages_back_once_the_process_grew_past_its_allowance():
+    """`GrowthLimit` keeps what one update freed (the next reuses it) and hands the rest back
+    once the process holds more than its allowance past where the first update left it."""
+    memory.give_back_freed()  # what earlier tests freed would serve the blocks below
+    limit = memory.GrowthLimit(allowance=64 * 2**20)
+    limit.check()  # the first update's end: the base
+    small = [bytearray(2000) for _ in range(20_000)]  # 40 MB of heap blocks, then freed
+    del small
+    limit.check()  # within the allowance: kept for the next update to reuse
+    assert limit.handed_back == 0
+    # 120 MB in blocks under glibc's mmap threshold (the heap's), then one more above them:
+    # free() trims only the heap's top, so the freed 120 MB stay held below it.
+    small = [bytearray(2000) for _ in range(60_000)]
+    last = bytearray(2000)
+    del small
+    grown = memory.anonymous_bytes() - limit.base
+    limit.check()  # past the allowance: handed back
+    assert grown > 100 * 2**20
+    assert limit.handed_back == 1
+    assert memory.anonymous_bytes() - limit.base < grown - 80 * 2**20
+    del last
+
+
 @pytest.mark.parametrize(
     ("failure", "kept", "says"),
     [

@@ -47,6 +47,10 @@ TRAIN_ACTIVATIONS = 64
 # Under bf16 autocast (a CPU with bf16 instructions) training keeps about twice those: it added
 # 1.18 GB where float32's terms estimated 0.81 GB (docs/drafters.md, "Memory").
 BF16_AUTOCAST_ACTIVATIONS = 2
+# Training hands the freed pages back only once the process holds this much more than after its
+# first update: each update frees about its activations, and handing those back every time made
+# the next update fault them in again, 16 % of a CPU update's time (docs/drafters.md, "Memory").
+TRAIN_GROWTH_ALLOWANCE = 256 * 2**20
 # What the estimate may miss (allocator slack, threads' buffers): kept free besides.
 MARGIN = 0.15
 # The smallest sizes a plan goes down to before it refuses.
@@ -189,7 +193,7 @@ def training_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
     activations = positions * TRAIN_ACTIVATIONS * target.hidden * 4
     if target.dtype_bytes == 2:  # bf16 autocast keeps its casts beside the float32 activations
         activations *= BF16_AUTOCAST_ACTIVATIONS
-    return state + update + activations
+    return state + update + activations + TRAIN_GROWTH_ALLOWANCE
 
 
 def worker_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
@@ -318,6 +322,26 @@ def give_back_freed() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class GrowthLimit:
+    """Hands freed pages back (`give_back_freed`) once this process's anonymous memory has grown
+    `allowance` past what it held after the first `check`; `check` after each training update.
+    The first update's freed blocks stay for the next to reuse; what accumulates beyond them
+    (blocks of sizes no later update asks for) goes every few updates, not every one."""
+
+    def __init__(self, allowance: int = TRAIN_GROWTH_ALLOWANCE) -> None:
+        self.allowance = allowance
+        self.base: int | None = None
+        self.handed_back = 0  # how many times it did
+
+    def check(self) -> None:
+        held = anonymous_bytes()
+        if self.base is None:
+            self.base = held
+        elif held > self.base + self.allowance:
+            give_back_freed()
+            self.handed_back += 1
 
 
 @functools.cache

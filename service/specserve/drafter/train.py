@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.drafter.memory import give_back_freed
+from specserve.drafter.memory import GrowthLimit
 from specserve.drafter.model import Drafter, DrafterConfig
 from specserve.hardware import fast_dtype
 
@@ -425,6 +425,7 @@ def train(
     weights = [config.step_weight_decay**j for j in range(config.steps)]
     running = [0.0] * config.steps  # top-1 per step, averaged over recent updates
     start = update  # a resumed run averages from where it resumed
+    growth = GrowthLimit() if device.type == "cpu" else None  # a GPU's blocks are not glibc's
     while update < total_updates:
         # The update's sequences, in the seeded order: whole ones until they hold
         # tokens_per_update answer tokens. Rank r computes every world-th of them.
@@ -465,11 +466,11 @@ def train(
             param_group["lr"] = lr_at(update)
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         optimizer.step()
-        if device.type == "cpu":
+        if growth is not None:
             # Each update frees blocks whose sizes change with its sequences, and glibc kept
-            # them: under bf16 autocast training grew by 2.6 GB over 100 updates, by 1.2 GB
-            # with this, for 16 % more time (docs/drafters.md, "Memory").
-            give_back_freed()
+            # them: under bf16 autocast training grew by 2.6 GB over 100 updates without this
+            # (docs/drafters.md, "Memory").
+            growth.check()
         update += 1
         smoothing = min(0.98, 1 - 1 / (update - start))  # a plain mean for the first updates
         running = [

@@ -184,7 +184,8 @@ def training_bytes(target: TargetShape, data: Sequences, sizes: Sizes) -> int:
     """What training holds: the target's embedding and the drafter's weights, gradients and two
     AdamW moments, all in float32; one update's logits, probabilities and their gradients over
     the draft vocabulary per unrolled step; and one forward's activations kept for its backward,
-    over its padded tokens (a sequence longer than a forward's budget goes alone).
+    over its padded tokens (a sequence longer than a forward's budget goes alone); and the
+    growth the allocator may keep before training hands it back (`GrowthLimit`).
     `TRAIN_ACTIVATIONS` covers measured runs of the embedded target's drafter: 0.53-0.64 GB
     added at 2,048 tokens a forward, 0.69 GB at 2,690 (docs/drafters.md, "Memory")."""
     state = 4 * target.vocab * target.hidden + 4 * 4 * sizes.drafter_params

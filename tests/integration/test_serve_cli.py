@@ -99,11 +99,15 @@ def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITH
     return took
 
 
-# Streams in flight at Ctrl-C outlast the drain's start (a second or two) on a fast machine and
-# finish well within DRAIN_S on a slow one: three at once on two cores in float32, beside the
-# stop's own work, made 4-7 tokens/s each on machine B (40 tokens in 5.5-6.2 s, 64 in 16 s), and
-# a slower machine took over 10 s for 40.
-IN_FLIGHT_TOKENS = 48
+# Streams in flight at Ctrl-C must outlast the drain's start (a second or two after the signal)
+# and finish well within DRAIN_S. Machines differ by 10x and more (three at once on two cores in
+# float32 made 4-7 tokens/s each on machine B; CI's machine ran 48 tokens in under 1.5 s), so the
+# length comes from a timed stream on the machine at hand: about IN_FLIGHT_S of it alone, which
+# three at once stretch to several times that.
+IN_FLIGHT_S = 8
+CALIBRATION_TOKENS = 32
+# Within the session config's max_model_len (1024) beside the prompt.
+IN_FLIGHT_TOKENS = range(48, 900)
 IN_FLIGHT_STREAMS = 3
 
 
@@ -115,16 +119,28 @@ def say_hi(port: int, timeout_s: float) -> httpx.Response:
     )
 
 
-def stream_to_the_end(port: int, started: threading.Event, results: list) -> None:
-    """Appends the stream's events and when its last one came."""
+def in_flight_tokens(port: int) -> int:
+    """How many tokens one stream makes in about IN_FLIGHT_S here, from a timed stream."""
+    started = time.monotonic()
+    events, _ = stream_to_the_end(port, CALIBRATION_TOKENS)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    rate = CALIBRATION_TOKENS / (time.monotonic() - started)
+    return min(max(int(rate * IN_FLIGHT_S), IN_FLIGHT_TOKENS.start), IN_FLIGHT_TOKENS.stop)
+
+
+def stream_to_the_end(
+    port: int, tokens: int, started: threading.Event | None = None
+) -> tuple[list[str], float]:
+    """The stream's events and when its last one came; `started` is set at its first."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    with httpx.stream("POST", url, json=long_stream(IN_FLIGHT_TOKENS), timeout=120) as response:
+    with httpx.stream("POST", url, json=long_stream(tokens), timeout=120) as response:
         events = []
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line)
-                started.set()
-    results.append((events, time.monotonic()))
+                if started is not None:
+                    started.set()
+    return events, time.monotonic()
 
 
 # A whole platform's start (up to 600 s, wait_for_log) and its stop.
@@ -143,10 +159,14 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
         assert say_hi(port, timeout_s=120).status_code == 200
         print(f"up after {up_after:.0f} s, first answer after {time.monotonic() - started:.0f} s")
         # Streams in flight when Ctrl-C comes.
+        tokens = in_flight_tokens(port)
         results: list[tuple[list[str], float]] = []
         flowing = [threading.Event() for _ in range(IN_FLIGHT_STREAMS)]
         streams = [
-            threading.Thread(target=stream_to_the_end, args=(port, event, results))
+            threading.Thread(
+                target=lambda event: results.append(stream_to_the_end(port, tokens, event)),
+                args=(event,),
+            )
             for event in flowing
         ]
         for stream in streams:
@@ -178,7 +198,10 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     assert max(ended for _, ended in results) > draining_at, "no stream outlasted the drain's start"
     assert refused.status_code == 503 and refused.headers[headers.RETRY_AFTER] == "1", refused.text
-    print(f"stopped {stops[0]:.1f} s after Ctrl-C, {IN_FLIGHT_STREAMS} in-flight streams in full")
+    print(
+        f"stopped {stops[0]:.1f} s after Ctrl-C, {IN_FLIGHT_STREAMS} in-flight streams of "
+        f"{tokens} tokens in full"
+    )
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specserve.drafter import memory
 from specserve.drafter.data import features_batched
 
 
@@ -69,3 +70,46 @@ def test_ranks_split_the_missing_shards_and_each_returns_every_path(tiny_target,
     records = torch.load(first[-1], weights_only=False)
     same = torch.load(alone[-1], weights_only=False)
     assert [r["input_ids"].tolist() for r in records] == [r["input_ids"].tolist() for r in same]
+
+
+@pytest.mark.skipif(memory._glibc() is None, reason="malloc_trim is glibc's")
+def test_capturing_hands_back_the_states_it_wrote_before_it_returns(tmp_path):
+    """Training follows in the same process: the states a capture wrote (the last shard's
+    were once freed after its hand-back, and glibc kept them: 0.65 GB held into training on the
+    ticket loop's replayed answers) and the target's weights are not held when it returns."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.drafter import data
+
+    # Wide and shallow: states of 8 KB per token (4 x 1,024 in bf16) for little compute.
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(3)
+    rows = [
+        {
+            "prompt_token_ids": torch.randint(0, 512, (700,), generator=g).tolist(),
+            "output_token_ids": torch.randint(0, 512, (100,), generator=g).tolist(),
+        }
+        for _ in range(20)  # one shard: 16,000 tokens, 125 MB of states
+    ]
+    memory.give_back_freed()
+    before = memory.anonymous_bytes()
+    shards = data.capture_token_features(
+        rows, str(tmp_path / "target"), tmp_path / "shards", (0, 1, 2), threads=2
+    )
+    held = memory.anonymous_bytes() - before
+    assert len(shards) == 1
+    states = sum(r["aux"].nbytes + r["final"].nbytes for r in torch.load(shards[0]))
+    assert states > 100 * 2**20
+    print(f"held {held / 2**20:.0f} MB of {states / 2**20:.0f} MB")
+    assert held < states / 3, f"held {held / 2**20:.0f} MB after writing {states / 2**20:.0f} MB"

@@ -292,10 +292,11 @@ def _write_shards(
         torch.save(records, tmp)
         tmp.chmod(0o600)  # token ids that decode to prompts and answers: the owner's only
         tmp.rename(path)
-    # The target's weights go now, not when the caller's training ends: freed blocks that glibc
-    # keeps count as used (memory.py), and training follows in the same process (1 GB held
-    # into an adapt worker's training without this, measured: docs/drafters.md, "Memory").
-    del model
+    # The target's weights and the last shard's states go now, not when the caller's training
+    # ends or this function returns (after the hand-back): freed blocks that glibc keeps count as
+    # used (memory.py), and training follows in the same process (1 GB held into an adapt
+    # worker's training without this, measured: docs/drafters.md, "Memory").
+    del model, records, sequences
     gc.collect()
     give_back_freed()
     return shards

@@ -7,22 +7,29 @@ from specserve.drafter import memory
 from specserve.drafter.data import features_batched
 
 
-@pytest.fixture(scope="module")
-def tiny_target():
+def random_llama(
+    vocab: int, hidden: int, intermediate: int, layers: int, head_dim: int, context: int
+):
+    """A randomly initialised Llama target of these sizes (two heads, one of keys and values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
+        head_dim=head_dim,
+        max_position_embeddings=context,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return random_llama(vocab=64, hidden=32, intermediate=64, layers=6, head_dim=16, context=256)
 
 
 def test_batched_hidden_states_are_those_of_each_sequence_alone(tiny_target):
@@ -77,23 +84,13 @@ def test_capturing_hands_back_the_states_it_wrote_before_it_returns(tmp_path):
     """Training follows in the same process: the states a capture wrote (the last shard's
     were once freed after its hand-back, and glibc kept them: 0.65 GB held into training on the
     ticket loop's replayed answers) and the target's weights are not held when it returns."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specserve.drafter import data
 
     # Wide and shallow: states of 8 KB per token (4 x 1,024 in bf16) for little compute.
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=1024,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=1024,
+    target = random_llama(
+        vocab=512, hidden=1024, intermediate=64, layers=3, head_dim=64, context=1024
     )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    target.save_pretrained(tmp_path / "target")
     g = torch.Generator().manual_seed(3)
     rows = [
         {

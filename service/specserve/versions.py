@@ -88,6 +88,8 @@ VLLM = Supported(
         ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens"),
         ("vllm.v1.sample.rejection_sampler", "apply_top_k_top_p"),
         ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
+        ("vllm.v1.core.sched.scheduler", "Scheduler.schedule"),
+        ("vllm.v1.engine.core", "EngineCore.post_step"),
     ),
 )
 

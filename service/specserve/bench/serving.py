@@ -8,7 +8,8 @@ excluded. Acceptance comes from specserve's per-arm counters on the metrics endp
 each level's start and end. Speedup is the ratio of mean per-user output tokens/s against the
 baseline arm, with a bootstrap confidence interval over prompts (paired: the same prompts).
 With `--together` the arms serve each round at the same time instead, as under a live split,
-so the engines that share a core compete for it.
+so the engines that share a core compete for it, each with the same load throughout
+(bench/together.py).
 """
 
 from __future__ import annotations
@@ -225,16 +226,21 @@ async def _timed(block) -> tuple[list, tuple[float, float]]:
 
 async def _run_blocks(args, model, arms, chats, concurrency) -> list:
     """Each arm's block with its time window, one after the other, or all at once with
-    `--together`."""
-    blocks = [
-        _timed(_run_block(args.url, model, arm, chats, concurrency, args.max_tokens, args.warmups))
-        for arm in arms
-    ]
+    `--together` (bench/together.py)."""
+    if args.together:
+        from specserve.bench.together import run_together  # imports vLLM's benchmark client
+
+        return await run_together(
+            args.url, model, arms, chats, concurrency, args.max_tokens, args.warmups
+        )
     # vLLM's benchmark prints its own report; the per-request figures are what is kept.
     with contextlib.redirect_stdout(io.StringIO()):
-        if args.together:
-            return await asyncio.gather(*blocks)
-        return [await block for block in blocks]
+        return [
+            await _timed(
+                _run_block(args.url, model, arm, chats, concurrency, args.max_tokens, args.warmups)
+            )
+            for arm in arms
+        ]
 
 
 def split_rounds(chats: list, rounds: int, concurrency: int) -> list[list]:
@@ -417,7 +423,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--together",
         action="store_true",
         help="every arm serves its block at the same time, as under a live split, instead of "
-        "each in turn alone on the machine",
+        "each in turn alone on the machine; each with the same load until the last arm is done",
     )
     parser.add_argument("--warmups", type=int, default=2, help="requests per block, not counted")
     parser.add_argument(

@@ -8,7 +8,8 @@ while its neighbour still warmed up, and an arm that finished its prompts sooner
 to its neighbour, whose last requests then ran alone on it (docs/bench/serving-speed.md). Here:
 
 1. every arm sends its warm-up requests, and all wait until every arm's are done;
-2. every arm starts its prompts at the same moment, `concurrency` at a time;
+2. every arm starts its prompts at the same moment, `concurrency` at a time, the first requests
+   interleaved between the arms;
 3. an arm whose prompts have all started keeps `concurrency` requests in flight with the same
    prompts again, not counted, until every arm's prompts are done; those requests are then
    cancelled.
@@ -55,6 +56,16 @@ class _Client:
         return await async_request_openai_chat_completions(request, self.session)
 
 
+class _Block:
+    """One arm's prompts: their rows in prompt order, the next to send, and when the last ended."""
+
+    def __init__(self, prompts: int) -> None:
+        self.rows: list[Row | None] = [None] * prompts
+        self.pending = iter(range(prompts))
+        self.done = asyncio.Event()
+        self.end = 0.0
+
+
 def _row(output: RequestFuncOutput) -> Row:
     if not output.success:
         return (0, 0.0, 0.0, output.error or "failed")
@@ -96,28 +107,29 @@ async def serve_together(
             if not (await send(arm, chats[i % len(chats)])).success:
                 return  # a failing arm is not kept busy at the client's pace
 
-    async def arm_block(arm: str) -> tuple[list[Row], tuple[float, float], list[asyncio.Task]]:
-        rows: list[Row | None] = [None] * len(chats)
-        pending = iter(range(len(chats)))
-        done = asyncio.Event()
+    blocks = [_Block(len(chats)) for _ in arms]
 
-        async def user(slot: int) -> None:
-            for i in pending:
-                rows[i] = _row(await send(arm, chats[i]))
-                if all(row is not None for row in rows):
-                    done.set()
-            # No await between a user's last prompt and its next request: the arm's load
-            # never dips.
-            await keep_loaded(arm, slot)
+    async def user(a: int, slot: int) -> None:
+        arm, block = arms[a], blocks[a]
+        for i in block.pending:
+            block.rows[i] = _row(await send(arm, chats[i]))
+            if all(row is not None for row in block.rows):
+                block.end = time.monotonic()
+                block.done.set()
+        # No await between a user's last prompt and its next request: the arm's load never dips.
+        await keep_loaded(arm, slot)
 
-        start = time.monotonic()
-        users = [asyncio.create_task(user(slot)) for slot in range(concurrency)]
-        await done.wait()
-        return rows, (start, time.monotonic()), users  # type: ignore[return-value]
-
-    blocks = await asyncio.gather(*(arm_block(arm) for arm in arms))
-    users = [task for _, _, tasks in blocks for task in tasks]
+    # The first requests go out slot by slot, each slot's arms in an order rotated by one: the
+    # server admits a burst in the order it arrives, and no arm's whole first wave may always
+    # be the first to reach it.
+    start = time.monotonic()
+    users = [
+        asyncio.create_task(user((slot + j) % len(arms), slot))
+        for slot in range(concurrency)
+        for j in range(len(arms))
+    ]
+    await asyncio.gather(*(block.done.wait() for block in blocks))
     for task in users:  # by now each runs an uncounted request
         task.cancel()
     await asyncio.gather(*users, return_exceptions=True)
-    return [(rows, window) for rows, window, _ in blocks]
+    return [(block.rows, (start, block.end)) for block in blocks]  # type: ignore[misc]

@@ -123,6 +123,8 @@ def run_loop(args: argparse.Namespace, traffic: Traffic, log: Path) -> tuple[int
     command += ["--json", str(args.out / "loop.json")]
     if args.replay_from:
         command += ["--replay-from", str(args.replay_from)]
+    if args.challenger_cpus:
+        command += ["--challenger-cpus", args.challenger_cpus]
     marks = []
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -259,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--share", type=float, default=0.5, help="of the incumbent's weight (0.5: equal load)"
+    )
+    parser.add_argument(
+        "--challenger-cpus", help="the challenger's cores (default: the incumbent's), e.g. 1"
     )
     parser.add_argument("--poll-s", type=float, default=30)
     parser.add_argument("--min-requests", type=int, default=30)

@@ -8,6 +8,8 @@ from specserve.bench.serving import (
     Cell,
     acceptance_between,
     compare,
+    markdown,
+    speedup_by_round,
     speedup_ci,
     split_rounds,
     summarize,
@@ -86,6 +88,20 @@ def test_summary_rows_and_comparison():
     earlier = {"rows": [{**row, "tokens_per_s_mean": 12.0, "speedup": 1.2}]}
     table = compare(rows, earlier)
     assert "+25.0%" in table and "1.50x (1.20x)" in table and "(new)" in table
+
+
+def test_each_rounds_speedup_is_reported_beside_the_runs():
+    """A round whose burst stalled one arm shows in its own ratio, and the table gives the
+    rounds' spread beside the interval over prompts."""
+    base = Cell("no-spec", 2, tokens_per_s=[10.0, 10.0, 10.0, 10.0, 10.0, 10.0])
+    arm = Cell("eagle3", 2, tokens_per_s=[10.0, 10.0, 6.0, math.nan, 11.0, 11.0])
+    base.round_sizes = arm.round_sizes = [2, 2, 2]
+    ratios = speedup_by_round(arm, base)
+    assert [round(x, 6) for x in ratios] == [1.0, 0.6, 1.1]  # the failed prompt left out
+    rows = summarize({2: {"no-spec": base, "eagle3": arm}}, "no-spec")
+    row = next(r for r in rows if r["arm"] == "eagle3")
+    assert row["speedup_rounds"] == ratios
+    assert "| 0.60-1.10 |" in markdown(rows, "no-spec")
 
 
 def test_every_round_holds_at_least_the_levels_concurrency():

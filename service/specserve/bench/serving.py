@@ -70,6 +70,9 @@ class Cell:
     # (start, end) of each of the arm's blocks, seconds on the monotonic clock: shows whether
     # arms served in turn or at the same time.
     windows: list[tuple[float, float]] = field(default_factory=list)
+    # Prompts in each round, in order: a round's requests share its start (a burst of
+    # `concurrency` at once) and whatever the machine did meanwhile, so they vary together.
+    round_sizes: list[int] = field(default_factory=list)
     acceptance: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -264,6 +267,7 @@ def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
         for arm, (rows, window) in zip(order, blocks, strict=True):
             cell = cells[arm]
             cell.windows.append(window)
+            cell.round_sizes.append(len(rows))
             for tokens, ttft, latency, error in rows:
                 if error or not tokens:
                     cell.failed += 1
@@ -292,6 +296,20 @@ def speedup_ci(arm: list[float], base: list[float], seed: int = 0) -> tuple[floa
     return paired_interval(lambda s: s[..., 0].mean(-1) / s[..., 1].mean(-1), pairs, seed=seed)
 
 
+def speedup_by_round(arm: Cell, base: Cell) -> list[float]:
+    """The ratio of mean per-user tokens/s in each round: the spread between rounds shows how
+    much one run's ratio can move, which an interval over prompts does not."""
+    ratios, start = [], 0
+    for size in base.round_sizes:
+        pairs = np.array([arm.tokens_per_s, base.tokens_per_s], dtype=float)[
+            :, start : start + size
+        ]
+        pairs = pairs[:, ~np.isnan(pairs).any(axis=0)]
+        ratios.append(float(pairs[0].mean() / pairs[1].mean()) if pairs.size else math.nan)
+        start += size
+    return ratios
+
+
 def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[str, Any]]:
     rows = []
     for cells in levels.values():
@@ -301,6 +319,8 @@ def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[st
             if base is not None:
                 ratio, low, high = speedup_ci(cell.tokens_per_s, base.tokens_per_s)
                 row |= {"speedup": ratio, "speedup_low": low, "speedup_high": high}
+                if cell.round_sizes == base.round_sizes:
+                    row["speedup_rounds"] = speedup_by_round(cell, base)
             rows.append(row)
     return rows
 
@@ -308,8 +328,9 @@ def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[st
 def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
     lines = [
         f"| arm | users | tok/s per user (mean / p50) | speedup vs {baseline} (95% CI) "
+        "| rounds' speedups (lowest-highest) "
         "| TTFT p50 | TPOT p50 | latency p50 | acceptance length | k in force | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         speedup = (
@@ -317,11 +338,13 @@ def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
             if not math.isnan(r.get("speedup", math.nan))
             else "-"
         )
+        by_round = [x for x in r.get("speedup_rounds", []) if not math.isnan(x)]
+        rounds = f"{min(by_round):.2f}-{max(by_round):.2f}" if len(by_round) > 1 else "-"
         acc = r.get("mean_acceptance_length")
         k = r.get("k_in_force", math.nan)
         lines.append(
             f"| {r['arm']} | {r['concurrency']} | {r['tokens_per_s_mean']:.1f} / "
-            f"{r['tokens_per_s_p50']:.1f} | {speedup} | {r['ttft_ms_p50']:.0f} ms "
+            f"{r['tokens_per_s_p50']:.1f} | {speedup} | {rounds} | {r['ttft_ms_p50']:.0f} ms "
             f"| {r['tpot_ms_p50']:.1f} ms | {r['latency_ms_p50']:.0f} ms "
             f"| {f'{acc:.2f}' if acc else '-'} | {'-' if math.isnan(k) else f'{k:.2f}'} "
             f"| {r['failed']} |"

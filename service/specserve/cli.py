@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--challenger-cpus",
         metavar="CORES",
         help="CPU cores for the challenger's engine (its VLLM_CPU_OMP_THREADS_BIND, e.g. 2-3); "
-        "default: the incumbent's",
+        "default: the incumbent's, where the two slow each other alike. Cores of its own are "
+        "fair only if nothing else runs on either engine's cores",
     )
     loop_p.add_argument("--poll-s", type=float, default=30.0)
     loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")

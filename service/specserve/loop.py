@@ -280,7 +280,15 @@ class Loop:
         if shared:
             self.log(
                 f"the challenger computes on the incumbent's cores ({CPU_BIND_ENV}={shared}): "
-                "the two engines slow each other alike; --challenger-cpus gives it its own"
+                "the two engines slow each other alike"
+            )
+        elif c.challenger_cpus:
+            # An A/A beside the platform on a 2-core node (docs/bench/loop.md): +35 % for the
+            # engine on the other core, a false promotion.
+            self.log(
+                f"the challenger computes on cores of its own ({CPU_BIND_ENV}="
+                f"{c.challenger_cpus}): a fair comparison only if nothing else runs on either "
+                "engine's cores; the router, proxies and engine front-ends float over them"
             )
         try:
             self._step(f"challenger {challenger} added", text, routed)

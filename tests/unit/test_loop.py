@@ -154,7 +154,7 @@ def row(verdict: str, mismatch: bool = False) -> dict:
     return {"verdict": verdict, "reason": verdict, "traffic": {"mismatch": mismatch}}
 
 
-def run(tmp_path, experiment, **config) -> tuple[dict, LocalStore, str]:
+def run(tmp_path, experiment, log=lambda _: None, **config) -> tuple[dict, LocalStore, str]:
     live = tmp_path / "config.yaml"
     live.write_text(DEFAULT.read_text())
     local = LocalStore(live)
@@ -164,10 +164,23 @@ def run(tmp_path, experiment, **config) -> tuple[dict, LocalStore, str]:
         now[0] += s
 
     settings = loop.LoopConfig(incumbent="eagle3.1", poll_s=30, max_wait_s=600, **config)
-    report = loop.Loop(
-        settings, local, experiment, log=lambda _: None, sleep=sleep, clock=lambda: now[0]
-    ).run(CANDIDATE)
+    report = loop.Loop(settings, local, experiment, log=log, sleep=sleep, clock=lambda: now[0]).run(
+        CANDIDATE
+    )
     return report, local, DEFAULT.read_text()
+
+
+@pytest.mark.parametrize(
+    ("cpus", "said"),
+    [(None, "slow each other alike"), ("0", "fair comparison only if nothing else runs")],
+)
+def test_the_loop_says_where_the_challenger_computes(tmp_path, cpus, said):
+    """On the incumbent's cores the two slow each other alike; on cores of their own they
+    differ by whatever else runs there (an A/A on 2 cores: +35 %), which the log says."""
+    lines: list[str] = []
+    experiment = Scripted([1], [row(ROLL_BACK)])
+    run(tmp_path, experiment, log=lines.append, challenger_cpus=cpus)
+    assert any("the challenger computes on" in line and said in line for line in lines)
 
 
 def test_a_faster_challenger_is_promoted_in_two_revisions_that_rollback_undoes(tmp_path):

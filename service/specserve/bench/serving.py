@@ -291,22 +291,24 @@ def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
 def speedup_ci(arm: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
     """Ratio of mean per-user tokens/s, arm over baseline, and its paired bootstrap CI over
     prompts (prompts either arm lacks are left out)."""
-    pairs = np.array([arm, base], dtype=float).T.reshape(-1, 2)
-    pairs = pairs[~np.isnan(pairs).any(axis=1)]
+    pairs = _pairs(arm, base)
     return paired_interval(lambda s: s[..., 0].mean(-1) / s[..., 1].mean(-1), pairs, seed=seed)
+
+
+def _pairs(arm: list[float], base: list[float]) -> np.ndarray:
+    """(prompts, 2) of the two arms' figures, prompts either arm lacks (NaN) left out."""
+    pairs = np.array([arm, base], dtype=float).T.reshape(-1, 2)
+    return pairs[~np.isnan(pairs).any(axis=1)]
 
 
 def speedup_by_round(arm: Cell, base: Cell) -> list[float]:
     """The ratio of mean per-user tokens/s in each round: the spread between rounds shows how
     much one run's ratio can move, which an interval over prompts does not."""
-    ratios, start = [], 0
-    for size in base.round_sizes:
-        pairs = np.array([arm.tokens_per_s, base.tokens_per_s], dtype=float)[
-            :, start : start + size
-        ]
-        pairs = pairs[:, ~np.isnan(pairs).any(axis=0)]
-        ratios.append(float(pairs[0].mean() / pairs[1].mean()) if pairs.size else math.nan)
-        start += size
+    ends = np.cumsum(base.round_sizes)
+    ratios = []
+    for start, end in zip(ends - base.round_sizes, ends, strict=True):
+        pairs = _pairs(arm.tokens_per_s[start:end], base.tokens_per_s[start:end])
+        ratios.append(float(pairs[:, 0].mean() / pairs[:, 1].mean()) if len(pairs) else math.nan)
     return ratios
 
 

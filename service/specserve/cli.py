@@ -27,6 +27,7 @@ from specserve.config.schema import (
     revision_of,
 )
 from specserve.config.store import DEFAULT_KEEP, ConfigStore, StoreError
+from specserve.models import ModelError
 
 if TYPE_CHECKING:
     from specserve.drafter.adapt import AdaptConfig
@@ -40,7 +41,11 @@ def _adapt_arguments() -> argparse.ArgumentParser:
     help names them for the reader."""
     adapt_args = argparse.ArgumentParser(add_help=False)
     option = adapt_args.add_argument
-    option("--base", help="the drafter to continue (default: eagle3.1; the loop: the incumbent's)")
+    option(
+        "--base",
+        help="the drafter to continue: package://NAME or a checkpoint directory "
+        "(default: package://eagle3.1; the loop: the incumbent's)",
+    )
     option("--captured", type=Path, help="capture store (default: the configured)")
     option("--arm", help="only this arm's captured records (default: all)")
     option("--work-dir", type=Path, help="default: <cache dir>/adapt")
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             return capture_commands.run(args)
         if args.command == "drafter":
             return _drafter(args)
-    except (ConfigError, StoreError) as exc:
+    except (ConfigError, StoreError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     parser.error("unknown command")

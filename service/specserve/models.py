@@ -75,13 +75,32 @@ def resolve_drafter_source(source: str) -> str:
     if path == drafters or not path.is_relative_to(drafters):
         raise ModelError(f"packaged drafter {source!r} lies outside {drafters}")
     if not (path / "config.json").exists():
-        shipped = sorted(
-            p.parent.name
-            for p in PACKAGED_DRAFTERS_DIR.glob("*/config.json")
-            if p.resolve().is_relative_to(drafters)
-        )
-        raise ModelError(f"no packaged drafter {source!r}; shipped: {shipped}")
+        raise ModelError(f"no packaged drafter {source!r}; shipped: {shipped_drafters()}")
     return str(path)
+
+
+def shipped_drafters() -> list[str]:
+    """The names `package://NAME` can take."""
+    drafters = PACKAGED_DRAFTERS_DIR.resolve()
+    return sorted(
+        p.parent.name
+        for p in PACKAGED_DRAFTERS_DIR.glob("*/config.json")
+        if p.resolve().is_relative_to(drafters)
+    )
+
+
+def local_drafter_dir(source: str) -> Path:
+    """A drafter to train on from (`package://NAME` or a checkpoint directory) as its directory.
+    Training reads the checkpoint's files, so a hub id or a bare shipped name is refused here,
+    before any work starts, rather than in a training worker minutes later."""
+    path = Path(resolve_drafter_source(source))
+    if (path / "config.json").is_file():
+        return path
+    hint = f"; did you mean {PACKAGE_SCHEME}{source}?" if source in shipped_drafters() else ""
+    raise ModelError(
+        f"drafter {source!r} is no checkpoint directory (no config.json in {path.resolve()}): "
+        f"give a directory or {PACKAGE_SCHEME}NAME, shipped: {shipped_drafters()}{hint}"
+    )
 
 
 def prepare_model(source: str, *, force: bool = False) -> str:

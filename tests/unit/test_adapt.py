@@ -171,3 +171,19 @@ def test_a_candidate_that_forgets_the_original_sets_is_rejected():
     assert not verdict.accepted
     assert verdict.reason == "forgets the original sets: chat 0.900x"
     assert verdict.original_ratios["chat"] == pytest.approx(0.9)
+
+
+def test_a_base_that_is_no_checkpoint_directory_is_refused_before_any_work(tmp_path, capsys):
+    from specserve.cli import main
+
+    captured = tmp_path / "captured"
+    capture(captured, "eagle3.1", [([1, 2, 3, i], [4, 5, 6, 7, 8]) for i in range(40)])
+    work = tmp_path / "work"
+    argv = ["drafter", "adapt", "--captured", str(captured), "--work-dir", str(work)]
+    assert main([*argv, "--base", "eagle3.1"]) == 2
+    error = capsys.readouterr().err
+    assert "drafter 'eagle3.1' is no checkpoint directory" in error
+    assert "did you mean package://eagle3.1?" in error
+    assert not work.exists()  # refused before the work directory was made
+    assert main([*argv, "--base", "org/hub-drafter"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

@@ -474,10 +474,10 @@ def adapt(config: AdaptConfig) -> dict:
     `<work_dir>/adapt.json` holds; `report["accepted"]` names the copied candidate, if any."""
 
     from specserve.capture import store
-    from specserve.models import resolve_drafter_source
+    from specserve.models import local_drafter_dir
 
     started = time.monotonic()
-    base = resolve_drafter_source(config.base)
+    base = str(local_drafter_dir(config.base))
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
     rows = captured_sequences(config.captured, config.arm)

@@ -221,8 +221,8 @@ class Experiment:
     def __init__(self, prometheus: Prometheus, config: LoopConfig) -> None:
         self.prometheus, self.config = prometheus, config
 
-    def served(self, arm: str) -> float:
-        return self.prometheus.counted_requests(arm, time.time())
+    def served(self, arm: str, since: float) -> float:
+        return self.prometheus.counted_requests(arm, since, time.time())
 
     def drained(self, arm: str) -> bool:
         return self.prometheus.drained(arm, time.time())
@@ -291,8 +291,9 @@ class Loop:
                 "engine's cores; the router, proxies and engine front-ends float over them"
             )
         try:
+            added = self.clock()
             self._step(f"challenger {challenger} added", text, routed)
-            return self._experiment(challenger)
+            return self._experiment(challenger, added)
         except BaseException as exc:
             if not self._ended:
                 self._remove_after(challenger, exc)
@@ -314,10 +315,10 @@ class Loop:
                 "`specserve config rollback`"
             )
 
-    def _experiment(self, challenger: str) -> dict[str, Any]:
+    def _experiment(self, challenger: str, added: float) -> dict[str, Any]:
         c = self.config
         deadline = self.clock() + c.start_timeout_s
-        while self._served(challenger) < 1:
+        while self._served(challenger, added) < 1:
             if self.clock() > deadline:
                 return self._end(challenger, TIMED_OUT, "it never answered a request")
             self.sleep(min(c.poll_s, 5.0))
@@ -354,9 +355,12 @@ class Loop:
             if self.clock() > deadline:
                 return self._end(challenger, TIMED_OUT, f"no verdict in {c.max_wait_s:.0f} s")
 
-    def _served(self, challenger: str) -> float:
+    def _served(self, challenger: str, since: float) -> float:
+        """Requests the challenger answered since it was added: a challenger's name used before
+        (a rerun with the same candidate) has its series' earlier counts in Prometheus, and read
+        whole they started the experiment before its engine served (its share read 0 %)."""
         try:
-            return self.experiment.served(challenger)
+            return self.experiment.served(challenger, since)
         except PrometheusError as exc:
             self.log(f"not serving yet: {exc}")
             return 0.0

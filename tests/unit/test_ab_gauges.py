@@ -17,7 +17,10 @@ from specserve.metrics import (
     ARM_WEIGHT,
     CONFIG_INFO,
     EXPORT_PREFIX,
+    REQUEST_OUTPUT_SPEED,
+    REQUEST_STAT_COUNT,
     REVISION,
+    STAT,
 )
 from tests.conftest import metrics_port, prometheus_server, until_scraped
 
@@ -95,3 +98,29 @@ def test_a_counter_missing_from_the_scrapes_when_the_experiment_begins_counts_fr
         until_scraped(prometheus, f"{series} == 13")
         grown = prometheus.counts(series, (ARM,), since, time.time())
     assert grown == {("a",): 3}
+
+
+@pytest.mark.ray  # a Prometheus server of its own
+def test_a_challenger_named_as_an_earlier_one_counts_only_the_requests_since_it_was_added(
+    tmp_path,
+):
+    """The loop starts its experiment once the challenger has answered a request. A rerun with
+    the same candidate reuses its name, and the earlier run's count read whole started the
+    experiment before the new engine served: its traffic share read 0 %, a false mismatch."""
+    series = (
+        f'{EXPORT_PREFIX}{REQUEST_STAT_COUNT}_total{{model="{MODEL}",{ARM}="c",'
+        f'{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
+    )
+    with (
+        metrics_port([f"{series} 40"]) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus = Prometheus(url)
+        until_scraped(prometheus, f"{series} == 40")
+        added = time.time()  # the earlier run's 40 requests are in Prometheus
+        time.sleep(2)
+        before_serving = prometheus.counted_requests("c", added, time.time())
+        port.lines = [f"{series} 41"]
+        until_scraped(prometheus, f"{series} == 41")
+        serving = prometheus.counted_requests("c", added, time.time())
+    assert (before_serving, serving) == (0, 1)

@@ -139,7 +139,7 @@ class Scripted:
     def errors(self, arm: str, since: float) -> tuple[float, float]:
         return self.error_reading
 
-    def served(self, arm: str) -> float:
+    def served(self, arm: str, since: float) -> float:
         return self.served_readings.pop(0) if len(self.served_readings) > 1 else 1.0
 
     def drained(self, arm: str) -> bool:
@@ -235,9 +235,9 @@ class Unreachable(Scripted):
             self.failed.add(kind)
             raise PrometheusError("cannot reach Prometheus at http://prometheus:9090: timed out")
 
-    def served(self, arm: str) -> float:
+    def served(self, arm: str, since: float) -> float:
         self._once("served")
-        return super().served(arm)
+        return super().served(arm, since)
 
     def drained(self, arm: str) -> bool:
         self._once("drained")

@@ -259,12 +259,12 @@ class Prometheus:
                 groups[arm].append((count, sums.get((arm, bucket), 0.0)))
         return groups
 
-    def counted_requests(self, arm: str, at: float) -> float:
-        """Weighted and sticky requests `arm` has answered so far (what the report counts)."""
+    def counted_requests(self, arm: str, since: float, at: float) -> float:
+        """Weighted and sticky requests `arm` answered in (since, at] (what the report counts):
+        `counts`, so an earlier arm of the same name adds nothing."""
         counter = _name(REQUEST_STAT_COUNT) + "_total"
-        query = f'sum({counter}{{{ARM}="{arm}",{STAT}="{REQUEST_OUTPUT_SPEED}"}})'
-        found = self.vector(query, at)
-        return found[0][1] if found else 0.0
+        series = f'{counter}{{{ARM}="{arm}",{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
+        return self.counts(series, (), since, at).get((), 0.0)
 
     def errors(self, arm: str, since: float, at: float) -> tuple[float, float]:
         """(requests that failed on the platform's side, all requests) of `arm` in (since, at]:

@@ -4,7 +4,7 @@ growing fed-forward state from EAGLE-3.1's normalized one."""
 
 import torch
 
-from specserve.drafter.diagnose import SINK_TOKENS, Probe, markdown
+from specserve.drafter.diagnose import SINK_TOKENS, Probe, copy_split, lookup_next, markdown
 from tests.unit.test_drafter_model import make
 
 STEPS = 4
@@ -70,6 +70,48 @@ def test_the_table_has_a_row_per_figure():
     row = {"drafter": "d", "set": "chat", **probe.result()}
     row["acceptance_by_position"] = [0.5, 0.25, 0.1, 0.05]
     row["acceptance_given_previous"] = [0.5, 0.5, 0.4, 0.5]
+    row |= {"copyable_share": 0.4, "first_step_right_copyable": 0.7, "first_step_right_other": 0.3}
     table = markdown({"steps": STEPS, "sink_tokens": SINK_TOKENS, "results": [row]})
-    assert table.count("\n| d | chat |") == 6
+    assert table.count("\n| d | chat |") == 7
+    assert "| d | chat | 0.400 | 0.700 | 0.300 |" in table
     assert "| step 4 |" in table
+
+
+def test_a_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    # "5 6" occurred twice (then 7, then 8): the latest occurrence wins.
+    assert lookup_next([5, 6, 7, 1, 5, 6, 8, 2, 5, 6]) == 8
+    # The 3-token suffix "9 5 6" occurred once, followed by 4: longer beats later.
+    assert lookup_next([9, 5, 6, 4, 1, 5, 6, 8, 9, 5, 6]) == 4
+    assert lookup_next([1, 2, 3, 4]) is None  # no suffix of 2+ tokens occurred before
+    assert lookup_next([1, 2, 1, 3]) is None  # a 1-token match is below the shortest
+
+
+def test_the_copy_split_divides_the_first_steps_top1_between_copyable_and_other_tokens():
+    """A drafter that drafts what a prompt lookup proposes gets every copyable token and few of
+    the others; the two figures, weighted by the share, make the first step's top-1."""
+    from specserve.drafter.train import offline_acceptance
+
+    model = make(fc_norm=True, norm_output=True).eval()
+    rec = record(answer_start=8)
+    torch.manual_seed(3)
+    ids = model.draft_ids()[torch.randint(0, 100, (T,))]  # every token in the draft vocabulary
+    ids[14:20] = ids[8:14]  # the answer repeats itself: some tokens are copyable
+    rec["input_ids"] = ids
+
+    def lookup_drafter(aux, inputs, steps, logits_from=0):
+        tokens = ids.tolist()
+        proposed = [lookup_next(tokens[: t + 2]) for t in range(logits_from, aux.shape[1])]
+        logits = torch.zeros(1, len(proposed), model.config.draft_vocab_size)
+        for i, token in enumerate(proposed):
+            if token is not None:
+                logits[0, i, model.to_draft(torch.tensor(token))] = 1.0
+        return [logits]
+
+    model.unrolled = lookup_drafter
+    split = copy_split(model, [rec])
+    assert 0 < split["copyable_share"] < 1
+    assert split["first_step_right_copyable"] == 1.0
+    assert split["first_step_right_other"] < 0.5
+    share = split["copyable_share"]
+    mixed = share + (1 - share) * split["first_step_right_other"]
+    assert abs(mixed - offline_acceptance(model, [rec], 1).step_top1[0]) < 1e-6

@@ -11,7 +11,11 @@ prompts the target answers itself, at every draft step j:
 - the RMS of the hidden state fed to step j + 1;
 - depth extrapolation: acceptance at each draft position (all steps up to it right, the target's
   own greedy tokens) and acceptance given the previous position was accepted, up to `steps`,
-  deeper than the drafters were trained for.
+  deeper than the drafters were trained for;
+- copying: the share of answer tokens a prompt lookup predicts (what the `ngram` arm drafts:
+  the token after the latest earlier occurrence of the longest suffix of LOOKUP_NGRAM tokens),
+  and the first draft step's top-1 on those tokens and on the rest. A drafter that copies gets
+  the copyable ones more often than the others.
 
 Runs the target with transformers on CPU (greedy answers, then its hidden states), the drafters
 in float32 with the same unrolled forward training uses (Drafter.unrolled).
@@ -33,6 +37,9 @@ from specserve.drafter.train import load_records, offline_acceptance, sequence_b
 
 SINK_TOKENS = 4
 SETS = ("chat", "long")
+# The suffix lengths a prompt lookup tries, longest first: the default config's `ngram` arm's
+# prompt_lookup_min and prompt_lookup_max.
+LOOKUP_NGRAM = (2, 4)
 
 
 def held_out_records(
@@ -144,6 +151,46 @@ class Probe:
         }
 
 
+def lookup_next(
+    context: list[int], shortest: int = LOOKUP_NGRAM[0], longest: int = LOOKUP_NGRAM[1]
+):
+    """The token a prompt lookup proposes after `context`: the one that followed the latest
+    earlier occurrence of its longest suffix of `longest` down to `shortest` tokens; None when
+    no suffix occurred before."""
+    for n in range(longest, shortest - 1, -1):
+        if len(context) <= n:
+            continue
+        suffix = context[-n:]
+        for i in range(len(context) - n - 1, -1, -1):
+            if context[i : i + n] == suffix:
+                return context[i + n]
+    return None
+
+
+def copy_split(model: Drafter, records: list[dict]) -> dict[str, float]:
+    """The first draft step's top-1 on answer tokens a prompt lookup gets right (`copyable`)
+    and on the others, and the copyable share of answer tokens."""
+    right, counted = torch.zeros(2), torch.zeros(2)  # [copyable, other]
+    for record in records:
+        aux, inputs, labels, _, first = sequence_batch(record, 1, max_len=1 << 30)
+        with torch.no_grad():
+            (logits,) = model.unrolled(aux.float(), inputs, 1, logits_from=first)
+        label = labels[0][0, first:]
+        ok = logits[0].argmax(-1) == model.to_draft(label.clamp(min=0))
+        ids = record["input_ids"].tolist()
+        for t in (label >= 0).nonzero().flatten().tolist():
+            position = first + t + 2  # the label's index in ids (sequence_batch)
+            kind = 0 if lookup_next(ids[:position]) == ids[position] else 1
+            right[kind] += int(ok[t])
+            counted[kind] += 1
+    top1 = (right / counted.clamp(min=1)).tolist()
+    return {
+        "copyable_share": float(counted[0] / counted.sum().clamp(min=1)),
+        "first_step_right_copyable": top1[0],
+        "first_step_right_other": top1[1],
+    }
+
+
 def _rms(x: torch.Tensor) -> float:
     return float(x.float().pow(2).mean(-1).sqrt().mean())
 
@@ -175,6 +222,7 @@ def diagnose(
                     "acceptance_by_position": chain,
                     "acceptance_given_previous": conditional,
                     **probe.result(),
+                    **copy_split(model, set_records),
                 }
             )
     return out
@@ -197,6 +245,17 @@ def markdown(report: dict[str, Any]) -> str:
             values = row[key][1:] if key == "hidden_rms" else row[key]
             cells = " | ".join(f"{v:.3f}" if v < 10 else f"{v:.1f}" for v in values[:steps])
             lines.append(f"| {row['drafter']} | {row['set']} | {label} | {cells} |")
+    lines += [
+        "",
+        "| drafter | set | answer tokens a prompt lookup gets right | first step right on them "
+        "| on the others |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['drafter']} | {row['set']} | {row['copyable_share']:.3f} "
+            f"| {row['first_step_right_copyable']:.3f} | {row['first_step_right_other']:.3f} |"
+        )
     return "\n".join(lines)
 
 

@@ -92,6 +92,18 @@ def test_a_users_requests_are_one_unit_the_interval_over_groups_of_users_holds()
     assert slower["clustered"]["detected"] >= 0.8
 
 
+def test_an_engine_state_that_drifts_between_requests_breaks_every_interval():
+    """Requests close in time share their engine's state (its batch, on a loaded node): the
+    report's interval, over groups of units, then sees a difference between identical arms far
+    more often than alpha, at the loop's sizes (a few hundred requests, a look every ~15); with
+    no drift the same experiments stay under alpha. An A/A through the loop promoted once so."""
+    sizes = dict(experiments=200, requests=200, look_every=15, effect=0.0, seed=5)
+    steady = simulate(**sizes)
+    drifting = simulate(**sizes, drift=0.25, drift_rho=0.9)
+    assert steady["clustered"]["detected"] <= 0.05
+    assert drifting["clustered"]["detected"] > 0.2
+
+
 def test_cluster_robust_variance_is_the_sandwich_and_one_request_per_group_is_the_usual_one():
     rng = np.random.default_rng(4)
     values = rng.lognormal(3, 0.5, 40)

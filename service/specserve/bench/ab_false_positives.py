@@ -14,8 +14,14 @@ independent. The always-valid interval taken per request then sees a difference 
 there far more often than alpha; taken over the groups of users the router records
 (metrics.UNIT_BUCKETS buckets by the user's hash, cluster-robust: what `ab report` does) it holds.
 
+With `--drift D`, a share D of each request's log-speed variance is its arm's engine state,
+which moves slowly from one request of the arm to the next (an AR(1) series, correlation
+`--drift-rho` between consecutive requests): requests close in time share their engine's batch,
+as they do on a loaded CPU node. No grouping of users absorbs that.
+
     python -m specserve.bench.ab_false_positives --experiments 1000
     python -m specserve.bench.ab_false_positives --experiments 1000 --users 60
+    python -m specserve.bench.ab_false_positives --requests 200 --look-every 15 --drift 0.5
 """
 
 from __future__ import annotations
@@ -72,13 +78,32 @@ def first_detection(
     return None
 
 
+def engine_state(rng: np.random.Generator, requests: int, rho: float) -> np.ndarray:
+    """A stationary unit-variance AR(1) series over an arm's consecutive requests."""
+    steps = rng.standard_normal(requests) * np.sqrt(1 - rho * rho)
+    state = np.empty(requests)
+    state[0] = rng.standard_normal()
+    for i in range(1, requests):
+        state[i] = rho * state[i - 1] + steps[i]
+    return state
+
+
 def draw_arm(
-    rng: np.random.Generator, requests: int, mean: float, sigma: float, users: int | None
+    rng: np.random.Generator,
+    requests: int,
+    mean: float,
+    sigma: float,
+    users: int | None,
+    drift: float = 0.0,
+    drift_rho: float = 0.9,
 ) -> _Arm:
     """Per-request tokens/s: independent requests; or requests of `users` users, the k-th
     busiest sending ~1/k of the traffic, each user at a speed of its own (log-normal, spread
-    `sigma` like the requests around it) and hashed to a bucket."""
-    noise = rng.lognormal(0, sigma, requests)
+    `sigma` like the requests around it) and hashed to a bucket. A share `drift` of the
+    requests' log-variance follows the arm's engine state (`engine_state`)."""
+    own = rng.standard_normal(requests) * np.sqrt(1 - drift)
+    shared = engine_state(rng, requests, drift_rho) * np.sqrt(drift) if drift else 0.0
+    noise = np.exp(sigma * (own + shared))
     if users is None:
         return _Arm(mean * noise, rng.integers(0, UNIT_BUCKETS, requests))
     frequency = 1 / np.arange(1, users + 1)
@@ -98,16 +123,18 @@ def simulate(
     seed: int = 0,
     progress: bool = False,
     users: int | None = None,
+    drift: float = 0.0,
+    drift_rho: float = 0.9,
 ) -> dict[str, dict[str, float]]:
     """Share of experiments with a detection, and the median requests it took, for each of
     METHODS. Arm B's mean is (1 - effect) times A's; `users` per arm (None: every request
-    independent)."""
+    independent); `drift` and `drift_rho` as in `draw_arm`."""
     rng = np.random.default_rng(seed)
     sigma = 0.5
     found: dict[str, list[int | None]] = {method: [] for method in METHODS}
     for _ in tqdm(range(experiments), disable=not progress, desc="experiments"):
-        a = draw_arm(rng, requests, 30, sigma, users)
-        b = draw_arm(rng, requests, 30 * (1 - effect), sigma, users)
+        a = draw_arm(rng, requests, 30, sigma, users, drift, drift_rho)
+        b = draw_arm(rng, requests, 30 * (1 - effect), sigma, users, drift, drift_rho)
         for method in found:
             found[method].append(first_detection(a, b, requests, look_every, alpha, tau, method))
     out = {}
@@ -132,11 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="users per arm, each sending many requests (default: every request independent)",
     )
+    parser.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="share of the log-speed variance that is the arm's slowly moving engine state",
+    )
+    parser.add_argument(
+        "--drift-rho", type=float, default=0.9, help="its correlation between consecutive requests"
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.drift < 1 or not 0 <= args.drift_rho < 1:
+        parser.error("--drift and --drift-rho are in [0, 1)")
     senders = f"{args.users} users per arm" if args.users else "independent requests"
+    drifting = f", {args.drift:.0%} of it drifting (rho {args.drift_rho})" if args.drift else ""
     print(
         f"{args.experiments} experiments, up to {args.requests} requests per arm from "
-        f"{senders}, a look every {args.look_every}, alpha {args.alpha}"
+        f"{senders}{drifting}, a look every {args.look_every}, alpha {args.alpha}"
     )
     print("| arms | interval | experiments with a detection | median requests to it |")
     print("| --- | --- | --- | --- |")
@@ -150,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             args.alpha,
             progress=True,
             users=args.users,
+            drift=args.drift,
+            drift_rho=args.drift_rho,
         )
         for method, figures in result.items():
             print(

@@ -36,9 +36,13 @@ from tqdm import tqdm
 from specserve.ab.sequential import Clustered, Moments, difference, fixed_sample_difference
 from specserve.metrics import UNIT_BUCKETS
 
-# The intervals compared: the report's (always-valid over groups of units), the always-valid one
-# per request (right only for independent requests) and the fixed-sample one per request.
-METHODS = ("clustered", "always_valid", "fixed_sample")
+# The intervals compared: the report's (always-valid over groups of units), the same over
+# consecutive blocks of each arm's requests (a block per look: groups of time, a candidate for
+# drifting engines), the always-valid one per request (right only for independent requests) and
+# the fixed-sample one per request.
+METHODS = ("clustered", "time_blocks", "always_valid", "fixed_sample")
+# Blocks a time-block interval needs before it is read (fewer give no variance worth the name).
+MIN_BLOCKS = 4
 
 
 class _Arm:
@@ -54,6 +58,19 @@ class _Arm:
     def per_request(self, n: int) -> Moments:
         return Moments(n, float(self.sums[n - 1]), float(self.squares[n - 1]))
 
+    def time_blocks(self, n: int, size: int) -> Clustered:
+        """The first n requests as groups of `size` consecutive ones."""
+        ends = list(range(size, n, size)) + [n]
+        sums = [float(self.sums[end - 1]) for end in ends]
+        return Clustered(
+            tuple(
+                (float(end - start), total - before)
+                for start, end, before, total in zip(
+                    [0, *ends[:-1]], ends, [0.0, *sums[:-1]], sums, strict=True
+                )
+            )
+        )
+
     def clustered(self, n: int) -> Clustered:
         counts, sums = self.bucket_counts[n - 1], self.bucket_sums[n - 1]
         return Clustered(
@@ -67,7 +84,16 @@ def first_detection(
     """Requests per arm at the first look whose interval excludes 0, else None."""
     z = NormalDist().inv_cdf(1 - alpha / 2)
     for n in range(look_every, requests + 1, look_every):
-        if method == "clustered":
+        if method == "time_blocks":
+            if n < MIN_BLOCKS * look_every:
+                continue
+            interval = difference(
+                b.time_blocks(n, look_every),
+                a.time_blocks(n, look_every),
+                alpha=alpha,
+                relative_tau=tau,
+            )
+        elif method == "clustered":
             interval = difference(b.clustered(n), a.clustered(n), alpha=alpha, relative_tau=tau)
         elif method == "always_valid":
             interval = difference(b.per_request(n), a.per_request(n), alpha=alpha, relative_tau=tau)

@@ -101,10 +101,10 @@ def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITH
 
 # Streams in flight at Ctrl-C must outlast the drain's start (a second or two after the signal;
 # 8 s once on two busy cores, where 8-s streams ended 1 ms before the router answered that it
-# was draining) and finish well within DRAIN_S. Machines differ by 10x and more (three at once on two cores in
-# float32 made 4-7 tokens/s each on machine B; CI's machine ran 48 tokens in under 1.5 s), so the
-# length comes from a timed stream on the machine at hand: about IN_FLIGHT_S of it alone, which
-# three at once stretch to several times that.
+# was draining) and finish well within DRAIN_S. Machines differ by 10x and more (three at once
+# on two cores in float32 made 4-7 tokens/s each on machine B; CI's machine ran 48 tokens in
+# under 1.5 s), so the length comes from a timed stream on the machine at hand: about
+# IN_FLIGHT_S of it alone, which three at once stretch to several times that.
 IN_FLIGHT_S = 12
 CALIBRATION_TOKENS = 32
 # Within the session config's max_model_len (1024) beside the prompt.

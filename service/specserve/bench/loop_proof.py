@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import yaml
 from specserve.capture import store
 from specserve.drafter.domain import extraction_requests
 from specserve.drafter.tickets import ticket_requests
+from specserve.headers import ARM
 from specserve.metrics import SPEC_ACCEPTED_TOKENS, SPEC_DRAFTS
 
 # --domain -> (its held-out set's name, requests(count, held_out=, seed=)).
@@ -57,10 +59,21 @@ LIVE_ACCEPTANCE = (
 )
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One answered request: when it was sent, the arm that served it (the response's arm
+    header) and its tokens/s as the router counts it (output tokens over the latency)."""
+
+    started: float
+    arm: str
+    tokens_per_s: float
+
+
 class Traffic:
     """Chat requests of a domain's training side, from `ceiling` threads of which
     only the first `concurrency` send (it can change while running); each request is a new
-    user (the OpenAI `user` field), so the router splits by weight."""
+    user (the OpenAI `user` field), so the router splits by weight. Every answer is kept as a
+    `Sample`."""
 
     def __init__(self, url: str, api_key: str, domain: str, max_tokens: int, ceiling: int) -> None:
         import openai
@@ -69,6 +82,7 @@ class Traffic:
         self.model = self.client.models.list().data[0].id
         self.max_tokens, self.concurrency = max_tokens, 0
         self.sent, self.failed = 0, 0
+        self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._prompts = itertools.chain.from_iterable(
             DOMAINS[domain][1](500, seed=seed) for seed in itertools.count()
@@ -93,15 +107,20 @@ class Traffic:
                 continue
             with self._lock:
                 messages = next(self._prompts)
+            started = time.monotonic()
             try:
-                self.client.chat.completions.create(
+                raw = self.client.chat.completions.with_raw_response.create(
                     model=self.model,
                     messages=messages,  # type: ignore[arg-type]  # plain {role, content} dicts
                     max_tokens=self.max_tokens,
                     temperature=0.0,
                     user=uuid.uuid4().hex,
                 )
-                self.sent += 1
+                usage = raw.parse().usage
+                speed = (usage.completion_tokens if usage else 0) / (time.monotonic() - started)
+                with self._lock:
+                    self.samples.append(Sample(started, raw.headers.get(ARM, "?"), speed))
+                    self.sent += 1
             except Exception as exc:  # counted and reported; the run goes on
                 self.failed += 1
                 print(f"traffic: a request failed: {exc}", file=sys.stderr)

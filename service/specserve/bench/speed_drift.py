@@ -22,24 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
-import uuid
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from specserve.headers import ARM
+from specserve.bench.loop_proof import Sample, Traffic
 
 LAGS = (1, 2, 4, 8)
 BLOCKS = (5, 10, 20)
-
-
-@dataclass(frozen=True)
-class Sample:
-    started: float
-    arm: str
-    tokens_per_s: float
 
 
 def autocorrelation(values: list[float], lag: int) -> float:
@@ -98,55 +89,6 @@ def markdown(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def send(url: str, api_key: str, domain: str, users: int, seconds: float, max_tokens: int):
-    """`users` threads sending the domain's chat requests for `seconds`: the samples, and the
-    count of failed requests."""
-    import itertools
-
-    import openai
-
-    from specserve.bench.loop_proof import DOMAINS
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
-    model = client.models.list().data[0].id
-    prompts = itertools.chain.from_iterable(
-        DOMAINS[domain][1](500, seed=seed) for seed in itertools.count()
-    )
-    lock, samples, failed = threading.Lock(), [], [0]
-    deadline = time.monotonic() + seconds
-
-    def user() -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                messages = next(prompts)
-            started = time.monotonic()
-            try:
-                raw = client.chat.completions.with_raw_response.create(
-                    model=model,
-                    messages=messages,  # type: ignore[arg-type]  # plain {role, content} dicts
-                    max_tokens=max_tokens,
-                    temperature=0.0,
-                    user=uuid.uuid4().hex,
-                )
-            except openai.APIError:
-                with lock:
-                    failed[0] += 1
-                time.sleep(1)
-                continue
-            took = time.monotonic() - started
-            usage = raw.parse().usage
-            tokens = usage.completion_tokens if usage else 0
-            with lock:
-                samples.append(Sample(started, raw.headers.get(ARM, "?"), tokens / took))
-
-    threads = [threading.Thread(target=user) for _ in range(users)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return samples, failed[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -157,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--out", type=Path, default=Path("speed-drift"))
     args = parser.parse_args(argv)
-    samples, failed = send(
-        args.url, args.api_key, args.domain, args.users, args.minutes * 60, args.max_tokens
-    )
+    traffic = Traffic(args.url, args.api_key, args.domain, args.max_tokens, args.users)
+    traffic.start(args.users)
+    try:
+        time.sleep(args.minutes * 60)
+    finally:
+        traffic.stop()  # the requests in flight finish
+    samples, failed = traffic.samples, traffic.failed
     figures = drift_figures(samples)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {

@@ -60,16 +60,10 @@ class _Arm:
 
     def time_blocks(self, n: int, size: int) -> Clustered:
         """The first n requests as groups of `size` consecutive ones."""
-        ends = list(range(size, n, size)) + [n]
-        sums = [float(self.sums[end - 1]) for end in ends]
-        return Clustered(
-            tuple(
-                (float(end - start), total - before)
-                for start, end, before, total in zip(
-                    [0, *ends[:-1]], ends, [0.0, *sums[:-1]], sums, strict=True
-                )
-            )
-        )
+        ends = np.array([*range(size, n, size), n])
+        counts = np.diff(ends, prepend=0)
+        sums = np.diff(self.sums[ends - 1], prepend=0.0)
+        return Clustered(tuple((float(c), float(s)) for c, s in zip(counts, sums, strict=True)))
 
     def clustered(self, n: int) -> Clustered:
         counts, sums = self.bucket_counts[n - 1], self.bucket_sums[n - 1]

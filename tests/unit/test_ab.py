@@ -9,6 +9,7 @@ import pytest
 from specserve.ab.prometheus import ArmTotals, parse_since
 from specserve.ab.report import (
     KEEP_TESTING,
+    MIN_WINDOWS,
     PROMOTE,
     ROLL_BACK,
     UNIT_MIXED,
@@ -20,7 +21,13 @@ from specserve.ab.report import (
     speedup_by_load,
     suggest_k,
 )
-from specserve.ab.sequential import Clustered, Moments, difference, mixture_half_width
+from specserve.ab.sequential import (
+    Clustered,
+    Moments,
+    clustered_variance,
+    difference,
+    mixture_half_width,
+)
 from specserve.bench.ab_false_positives import simulate
 from specserve.metrics import (
     REQUEST_ACCEPTANCE_LENGTH,
@@ -69,66 +76,74 @@ def test_watching_identical_arms_stays_under_alpha_where_peeking_at_fixed_interv
     """Repeated experiments, read after every 10 requests: the always-valid interval's false
     positive rate stays at most alpha; the ordinary interval's does not (so the simulation can
     tell them apart); and a 10% slower arm is still found."""
-    same = simulate(experiments=300, requests=1000, look_every=10, effect=0.0, seed=7)
+    methods = ("always_valid", "fixed_sample")
+    same = simulate(300, requests=1000, look_every=10, effect=0.0, seed=7, methods=methods)
     assert same["always_valid"]["detected"] <= 0.05
     assert same["fixed_sample"]["detected"] > 0.15
-    slower = simulate(experiments=100, requests=1000, look_every=10, effect=0.1, seed=8)
+    slower = simulate(100, requests=1000, look_every=10, effect=0.1, seed=8, methods=methods)
     assert slower["always_valid"]["detected"] >= 0.9
 
 
 def test_a_users_requests_are_one_unit_the_interval_over_groups_of_users_holds():
     """Sticky users who each send many requests at speeds of their own: taken as independent
     requests, identical arms differ "with confidence" in most experiments; over the groups of
-    users (what the report does) in at most alpha of them, and as often as before when the
-    requests are independent; a large difference is still found."""
-    users = simulate(experiments=150, requests=600, look_every=30, effect=0.0, seed=1, users=20)
+    users, alone or with windows of time (what the report does), in at most alpha of them; a
+    difference is still found where the requests are independent, and a large one where a few
+    hundred users send them."""
+    methods = ("always_valid", "clustered", "two_way")
+    users = simulate(150, requests=600, look_every=30, effect=0.0, seed=1, users=20)
     assert users["always_valid"]["detected"] > 0.3
-    assert users["clustered"]["detected"] <= 0.05
-    independent = simulate(experiments=100, requests=1000, look_every=10, effect=0.1, seed=8)
+    assert users["clustered"]["detected"] <= 0.05 and users["two_way"]["detected"] <= 0.05
+    independent = simulate(100, requests=1000, look_every=50, effect=0.1, seed=8, methods=methods)
     assert independent["clustered"]["detected"] >= 0.9
+    assert independent["two_way"]["detected"] >= 0.8
     # Half as fast, 300 users (the busiest ~16 % of the traffic): found in most experiments, not
     # all: a few heavy users decide a mean, however many requests they send.
-    slower = simulate(experiments=50, requests=2000, look_every=50, effect=0.5, seed=3, users=300)
-    assert slower["clustered"]["detected"] >= 0.8
+    slower = simulate(50, requests=2000, look_every=50, effect=0.5, seed=3, users=300)
+    assert slower["clustered"]["detected"] >= 0.8 and slower["two_way"]["detected"] >= 0.7
 
 
-def test_an_engine_state_that_drifts_between_requests_breaks_every_interval():
-    """Requests close in time share their engine's state (its batch, on a loaded node): the
-    report's interval, over groups of units, then sees a difference between identical arms far
-    more often than alpha, at the loop's sizes (a few hundred requests, a look every ~15); with
-    no drift the same experiments stay under alpha. An A/A through the loop promoted once so.
-    Over groups of time instead, identical arms come far nearer alpha (above it still: a few
-    blocks give a variance biased low)."""
+def test_an_engine_state_that_drifts_between_requests_is_absorbed_by_windows_of_time():
+    """Requests close in time share their engine's state (its batch, on a loaded node), and two
+    engines on one core move against each other: over groups of units alone, identical arms then
+    differ "with confidence" far more often than alpha at the loop's sizes (a few hundred
+    requests, a look every ~15), as an A/A through the loop did. The report's interval, two-way
+    over groups of units and windows of time shared by the arms, stays near alpha, and without
+    drift under it."""
     sizes = dict(experiments=200, requests=200, look_every=15, effect=0.0, seed=5)
     steady = simulate(**sizes)
-    drifting = simulate(**sizes, drift=0.25, drift_rho=0.9)
+    drifting = simulate(**sizes, drift=0.25, drift_rho=0.9, drift_coupling=-0.75)
     assert steady["clustered"]["detected"] <= 0.05
-    assert drifting["clustered"]["detected"] > 0.2
-    # Taken over consecutive blocks of each arm's requests (groups of time), it holds.
-    assert steady["time_blocks"]["detected"] <= 0.06
-    assert drifting["time_blocks"]["detected"] <= 0.15  # ~9 % over 1,000 experiments
+    assert drifting["clustered"]["detected"] > 0.3
+    assert steady["two_way"]["detected"] <= 0.05
+    assert drifting["two_way"]["detected"] <= 0.09  # ~5 % over 1,000 experiments
 
 
 def test_cluster_robust_variance_is_the_sandwich_and_one_request_per_group_is_the_usual_one():
     rng = np.random.default_rng(4)
     values = rng.lognormal(3, 0.5, 40)
-    singletons = Clustered(tuple((1.0, float(v)) for v in values))
+    singletons = Clustered.of_groups((1.0, float(v)) for v in values)
     assert singletons.value() == pytest.approx(values.mean())
     assert singletons.variance_of_mean() == pytest.approx(moments(values).variance_of_mean())
     # Two groups of 20 alike requests each: two observations' worth of spread, not forty.
-    groups = Clustered(((20.0, 20 * 10.0), (20.0, 20 * 30.0)))
+    groups = Clustered.of_groups(((20.0, 20 * 10.0), (20.0, 20 * 30.0)))
     assert groups.n == 40 and groups.value() == 20.0
     assert groups.variance_of_mean() == pytest.approx(2 / 1 * (100 * 20**2 * 2) / 40**2)
-    assert math.isnan(Clustered(((5.0, 50.0),)).variance_of_mean())
+    assert math.isnan(Clustered.of_groups(((5.0, 50.0),)).variance_of_mean())
 
 
 def clustered_arm(weight, groups, sticky=True):
-    """An arm whose requests come from users in `groups`: {bucket: per-request speeds}."""
+    """An arm whose requests come from users in `groups`: {bucket: per-request speeds}, each
+    group's requests dealt in turn to MIN_WINDOWS windows of time."""
     speeds = np.concatenate(list(groups.values()))
     totals = arm(weight, len(speeds), speeds)
     totals.sticky = len(speeds) if sticky else 0.0
     totals.clustered[REQUEST_OUTPUT_SPEED] = Clustered(
-        tuple((float(len(v)), float(np.sum(v))) for v in groups.values())
+        tuple(
+            (b, w, float(len(v[w::MIN_WINDOWS])), float(np.sum(v[w::MIN_WINDOWS])))
+            for b, v in groups.items()
+            for w in range(min(MIN_WINDOWS, len(v)))
+        )
     )
     totals.selections_by_bucket = {b: float(len(v)) for b, v in groups.items()}
     return totals
@@ -171,6 +186,59 @@ def test_the_verdict_waits_for_enough_groups_of_users_and_a_heavy_user_is_no_mis
     assert row["traffic"]["mismatch"] and "weight share" in row["reason"]
 
 
+def windowed_arm(weight, mean, drift, groups=16, seed=0):
+    """An arm whose per-user speeds move by `drift[w]` (a share of `mean`) in window w: three
+    requests per group of units and window, lightly spread around that."""
+    rng = np.random.default_rng(seed)
+    cells, speeds = [], []
+    for window, shift in enumerate(drift):
+        for group in range(groups):
+            values = mean * (1 + shift) * rng.lognormal(0, 0.05, 3)
+            cells.append((str(group), window, 3.0, float(values.sum())))
+            speeds.extend(values)
+    totals = arm(weight, len(speeds), np.array(speeds))
+    totals.sticky = len(speeds)
+    totals.clustered[REQUEST_OUTPUT_SPEED] = Clustered(tuple(cells))
+    totals.selections_by_bucket = {str(g): 3.0 * len(drift) for g in range(groups)}
+    return totals
+
+
+def test_windows_of_time_are_shared_by_the_arms_and_counted_before_a_verdict():
+    """Two engines on one core: when one is fast the other is slow. Taken window by window over
+    both arms, the difference's variance is far above the arms' variances added (which would
+    call a drift a difference); two arms that drift alike cancel out. And no verdict before the
+    experiment spans MIN_WINDOWS windows, however large the difference."""
+    drift = [0.2, -0.2] * 4
+    fast = windowed_arm(1, 30, drift, seed=1)
+    slow = windowed_arm(1, 30, [-d for d in drift], seed=2)
+    alike = windowed_arm(1, 30, drift, seed=3)
+    speed = REQUEST_OUTPUT_SPEED
+    apart = fast.clustered[speed].variance_of_mean() + slow.clustered[speed].variance_of_mean()
+    opposed = clustered_variance(((fast.clustered[speed], 1.0), (slow.clustered[speed], -1.0)))
+    together = clustered_variance(((fast.clustered[speed], 1.0), (alike.clustered[speed], -1.0)))
+    assert opposed > 1.8 * apart and together < 0.1 * apart
+    # Each one-way variance alone (units: none of this drift; windows: all of it).
+    groups = Clustered.of_groups(
+        (c, t) for _, _, c, t in fast.clustered[speed].cells + slow.clustered[speed].cells
+    )
+    assert groups.variance_of_mean() < 0.1 * opposed
+
+    # 45 against 30 per user, every user: promoted over eight windows, not over three.
+    short = {
+        "base": windowed_arm(1, 30, [0.0] * 3),
+        "new": windowed_arm(1, 45, [0.0] * 3, seed=4),
+    }
+    row = compare(short, {}, {}, Options(baseline="base"))["arms"][1]
+    assert row["windows"] == 3 and row["verdict"] == KEEP_TESTING
+    assert f"3 windows of time, {MIN_WINDOWS} needed" in row["reason"]
+    longer = {
+        "base": windowed_arm(1, 30, [0.0] * 8),
+        "new": windowed_arm(1, 45, [0.0] * 8, seed=4),
+    }
+    row = compare(longer, {}, {}, Options(baseline="base"))["arms"][1]
+    assert row["windows"] == 8 and row["verdict"] == PROMOTE, row["reason"]
+
+
 def test_an_arm_no_group_has_reached_yet_is_a_mismatch_only_past_what_chance_explains():
     """The loop's first reads: the challenger (a quarter of the weight) has not been chosen
     yet. No group shows spread; chance alone leaves it at 0 of 10 requests one time in 18,
@@ -205,7 +273,7 @@ def test_the_report_names_its_unit():
         shown = render(
             report
             | {"model": "m", "revision": "r", "since": 0, "now": 60, "alpha": 0.05}
-            | {"baseline": "a"}
+            | {"baseline": "a", "window_s": 30}
         )
         assert f"unit: {unit} (" in shown
         assert ("cluster-robust" in shown) == robust

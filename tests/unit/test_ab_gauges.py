@@ -5,6 +5,7 @@ whose exposition the test chooses (tests/conftest.py) plays those gaps."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -124,3 +125,35 @@ def test_a_challenger_named_as_an_earlier_one_counts_only_the_requests_since_it_
         until_scraped(prometheus, f"{series} == 41")
         serving = prometheus.counted_requests("c", added, time.time())
     assert (before_serving, serving) == (0, 1)
+
+
+@pytest.mark.ray  # a Prometheus server of its own
+def test_a_counter_grows_window_by_window_and_the_windows_add_up_to_its_growth(tmp_path):
+    """The report's intervals are two-way over windows of time: each window gets what the
+    counter grew by in it. Growth in an export gap lands in the window that sees it next, a
+    restarted counter counts from 0, and the windows add up to what `counts` finds."""
+    series = f'{EXPORT_PREFIX}{ARM_SELECTIONS}_total{{model="{MODEL}",{ARM}="a"}}'
+    with (
+        metrics_port([f"{series} 10"]) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus = Prometheus(url)
+        until_scraped(prometheus, f"{series} == 10")
+        since = time.time()
+        for lines, value in (([f"{series} 13"], 13), ([], None), ([f"{series} 20"], 20)):
+            time.sleep(3)  # three seconds apart: windows of two see each step on its own
+            port.lines = lines
+            if value is None:  # the gap: missing from the scrapes for longer than a window
+                until_scraped(prometheus, series, present=False)
+            else:
+                until_scraped(prometheus, f"{series} == {value}")
+        time.sleep(3)
+        port.lines = [f"{series} 2"]  # the process restarted
+        until_scraped(prometheus, f"{series} == 2")
+        now = time.time()
+        windows = prometheus.windowed(series, (ARM,), since, now, 2)[("a",)]
+        before_restart = prometheus.windowed(series, (ARM,), since, now - 2, 2)[("a",)]
+        whole = prometheus.counts(series, (ARM,), since, now - 2)
+    assert [grown for _, grown in sorted(windows.items()) if grown] == [3, 7, 2]
+    assert max(windows) == math.ceil((now - since) / 2) - 1  # the last window ends now
+    assert sum(before_restart.values()) == whole[("a",)] == 10

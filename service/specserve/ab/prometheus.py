@@ -96,7 +96,8 @@ class ArmTotals:
     # Of those, the ones a sticky key sent (their unit is the key; the others' the request).
     sticky: float = 0.0
     stats: dict[str, Moments] = field(default_factory=dict)
-    # The same figures per group of randomisation units (the report's intervals when present).
+    # The same figures per group of randomisation units and window of time (the report's
+    # intervals when present).
     clustered: dict[str, Clustered] = field(default_factory=dict)
     # Randomized selections per group of units (the sample-ratio check's).
     selections_by_bucket: dict[str, float] = field(default_factory=dict)
@@ -167,9 +168,12 @@ class Prometheus:
         first = self.vector(query, now)
         return revision, (first[0][1] if first else now)
 
-    def totals(self, model: str, since: float, now: float) -> dict[str, ArmTotals]:
+    def totals(
+        self, model: str, since: float, now: float, window_s: float = math.inf
+    ) -> dict[str, ArmTotals]:
         """Every counter the report reads, as it grew in (since, now] (`counts`: exact, where
-        increase() would miss the first request of every series a challenger begins)."""
+        increase() would miss the first request of every series a challenger begins); the
+        statistics per group of units also per window of `window_s` (`windowed`)."""
         arms: dict[str, ArmTotals] = defaultdict(ArmTotals)
         selector = f'model="{model}"'
 
@@ -208,8 +212,8 @@ class Prometheus:
         for stat in AB_STATS:
             for (arm,), found in moments(stat, (ARM,)).items():
                 arms[arm].stats[stat] = found
-            for arm, groups in self._unit_groups(selector, stat, since, now).items():
-                arms[arm].clustered[stat] = Clustered(tuple(groups))
+            for arm, cells in self._cells(selector, stat, since, now, window_s).items():
+                arms[arm].clustered[stat] = Clustered(tuple(cells))
         for (arm, key), found in moments(REQUEST_OUTPUT_SPEED, (ARM, KEY)).items():
             arms[arm].by_key[key] = found
         for (arm,), value in grown(_name(AB_LEFT_OUT)).items():
@@ -245,19 +249,50 @@ class Prometheus:
             )
         return dict(grown)
 
-    def _unit_groups(
-        self, selector: str, stat: str, since: float, now: float
-    ) -> dict[str, list[tuple[float, float]]]:
-        """Per arm, (count, sum) of `stat` in each bucket of units that has requests."""
+    def windowed(
+        self, series: str, by: tuple[str, ...], since: float, now: float, window_s: float
+    ) -> dict[tuple[str, ...], dict[int, float]]:
+        """What a counter grew by in each window of (since, now], summed by the labels `by`:
+        windows of `window_s` back from `now` (the first one shorter), numbered from 0. As
+        `counts`, a window at a time: each series' value at a window's end (carried over where a
+        scrape was missed, so its growth lands in the next window) less its value at the end of
+        the one before. The windows' growths add up to `counts`' (more where the counter
+        restarted: `counts` sees its last value only)."""
+        if not math.isfinite(window_s):
+            return {key: {0: value} for key, value in self.counts(series, by, since, now).items()}
+        step = math.ceil(window_s)
+        ends = math.ceil((now - since) / step)  # window i ends at now - (ends - 1 - i) * step
+        first = now - (ends - 1) * step
+        at_start = f"last_over_time({series}[{COUNTER_LOOKBACK_S}s])"
+        before = {_series_key(labels): value for labels, value in self.vector(at_start, since)}
+        grown: dict[tuple[str, ...], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        found = self.matrix(f"last_over_time({series}[{step}s])", first, now, step)
+        for labels, values in found:
+            value = before.get(_series_key(labels), 0.0)
+            key = tuple(labels.get(name, "") for name in by)
+            for t, last in sorted(values.items()):
+                window = round((t - first) / step)
+                grown[key][window] += last - value if last >= value else last
+                value = last
+        return {key: dict(windows) for key, windows in grown.items()}
+
+    def _cells(
+        self, selector: str, stat: str, since: float, now: float, window_s: float
+    ) -> dict[str, list[tuple[str, int, float, float]]]:
+        """Per arm, (group of units, window, count, sum) of `stat` in each cell with requests."""
         by = (ARM, UNIT_BUCKET)
         of_stat = f'{{{selector},{STAT}="{stat}"}}'
-        sums = self.counts(_name(UNIT_STAT_SUM) + "_total" + of_stat, by, since, now)
-        counts = self.counts(_name(UNIT_STAT_COUNT) + "_total" + of_stat, by, since, now)
-        groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for (arm, bucket), count in sorted(counts.items()):
-            if count > 0:
-                groups[arm].append((count, sums.get((arm, bucket), 0.0)))
-        return groups
+        sums = self.windowed(_name(UNIT_STAT_SUM) + "_total" + of_stat, by, since, now, window_s)
+        counts = self.windowed(
+            _name(UNIT_STAT_COUNT) + "_total" + of_stat, by, since, now, window_s
+        )
+        cells: dict[str, list[tuple[str, int, float, float]]] = defaultdict(list)
+        for (arm, bucket), windows in sorted(counts.items()):
+            for window, count in sorted(windows.items()):
+                if count > 0:
+                    total = sums.get((arm, bucket), {}).get(window, 0.0)
+                    cells[arm].append((bucket, window, count, total))
+        return cells
 
     def counted_requests(self, arm: str, since: float, at: float) -> float:
         """Weighted and sticky requests `arm` answered in (since, at] (what the report counts):

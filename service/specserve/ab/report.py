@@ -12,8 +12,12 @@ request has one, else the request. A user's requests share its speed, prompts an
 so they are not independent: the intervals and the sample-ratio check are cluster-robust over the
 groups of units the router records (metrics.UNIT_BUCKETS buckets by the unit's hash, a user's
 requests all in one), and no verdict is given while an arm's requests come from fewer than
-`min_unit_groups` groups (a few heavy users are not a sample). Where those series are missing
-(data from routers before them) the unit is the request, and the report says so.
+`min_unit_groups` groups (a few heavy users are not a sample). Requests close in time are not
+independent either: they share their engine's batch and the node's other work, and on a loaded
+node an arm's speed drifts (BENCHMARKS.md, "speed drift"). So the intervals are two-way over
+groups of units and windows of time (`window_s`), the windows shared by the arms, and no verdict
+is given before the experiment spans MIN_WINDOWS of them. Where the unit series are missing (data
+from routers before them) the unit is the request, and the report says so.
 
 Requests whose prompt the config names (routing.ab_left_out_prompts: what a challenger was
 trained on) are served but left out of every figure, and counted apart.
@@ -38,7 +42,7 @@ from typing import Any
 
 from specserve import k_schedule
 from specserve.ab.prometheus import ArmTotals, Prometheus, PrometheusError, parse_since
-from specserve.ab.sequential import Clustered, Interval, Moments, difference
+from specserve.ab.sequential import MIN_CLUSTERS, Clustered, Interval, Moments, difference
 from specserve.metrics import (
     REQUEST_ACCEPTANCE_LENGTH,
     REQUEST_OUTPUT_SPEED,
@@ -57,6 +61,11 @@ FIGURES = (
 LOAD_BANDS = (("1", 1.5), ("2-4", 4.5), ("5-16", 16.5), (">16", math.inf))
 # A traffic share this many standard errors off its weight is a sample-ratio mismatch.
 SRM_Z = 4.0
+# Windows of time the intervals cluster over: at least MIN_WINDOW_S long (twin arms on one node
+# stay correlated for ~20 s, and simulated with that drift, identical arms differ "with
+# confidence" at alpha from 30 s windows, twice as often at 20 s: BENCHMARKS.md, "speed
+# drift"), at most MAX_WINDOWS of them, and no verdict before MIN_WINDOWS.
+MIN_WINDOW_S, MAX_WINDOWS, MIN_WINDOWS = 30.0, 16, MIN_CLUSTERS
 # The randomisation units the report names (`unit` in its JSON).
 UNIT_STICKY_KEY, UNIT_REQUEST, UNIT_MIXED = "sticky key", "request", "sticky key, else request"
 
@@ -82,7 +91,8 @@ def build_report(prom: Prometheus, options: Options, since: float | None, model:
     model = model or prom.model()
     revision, revision_start = prom.revision_start(model, now)
     start = revision_start if since is None else since
-    arms = prom.totals(model, start, now)
+    window = window_s(now - start)
+    arms = prom.totals(model, start, now, window)
     if options.baseline not in arms:
         known = ", ".join(sorted(arms)) or "none"
         raise PrometheusError(f"baseline arm {options.baseline!r} has no data (arms: {known})")
@@ -96,7 +106,13 @@ def build_report(prom: Prometheus, options: Options, since: float | None, model:
         "alpha": options.alpha,
         "relative_tau": options.relative_tau,
         "baseline": options.baseline,
+        "window_s": window,
     }
+
+
+def window_s(duration_s: float) -> float:
+    """The windows of time an experiment this long is cut into."""
+    return max(MIN_WINDOW_S, duration_s / MAX_WINDOWS)
 
 
 def compare(
@@ -119,6 +135,7 @@ def compare(
         row: dict[str, Any] = {"arm": name, "weight": arm.weight, "requests": _n(arm)}
         row["left_out"] = arm.left_out
         row["unit_groups"] = _unit_groups(arm)
+        row["windows"] = _windows(arm)
         if by_bucket:
             row["traffic"] = clustered_traffic_share(arm, total_weight, by_bucket, options)
         else:
@@ -140,7 +157,11 @@ def compare(
         )
         if name != options.baseline:
             row["verdict"], row["reason"] = verdict(
-                row, base_n=_n(base), base_groups=_unit_groups(base), options=options
+                row,
+                base_n=_n(base),
+                base_groups=_unit_groups(base),
+                base_windows=_windows(base),
+                options=options,
             )
         rows.append(row)
     return {
@@ -163,6 +184,12 @@ def _unit_groups(arm: ArmTotals) -> int | None:
     """Groups of units with requests in the arm's primary figure; None without those series."""
     found = arm.clustered.get(REQUEST_OUTPUT_SPEED)
     return found.clusters if found is not None else None
+
+
+def _windows(arm: ArmTotals) -> int | None:
+    """Windows of time with requests in the arm's primary figure; None without those series."""
+    found = arm.clustered.get(REQUEST_OUTPUT_SPEED)
+    return found.windows if found is not None else None
 
 
 def key_segments(arm: ArmTotals, base: ArmTotals, options: Options) -> dict[str, Any]:
@@ -311,7 +338,11 @@ def speedup_by_load(
 
 
 def verdict(
-    row: dict[str, Any], base_n: float, base_groups: int | None, options: Options
+    row: dict[str, Any],
+    base_n: float,
+    base_groups: int | None,
+    options: Options,
+    base_windows: int | None = None,
 ) -> tuple[str, str]:
     """Promote or roll back once per-user tokens/s differs with confidence; else keep testing."""
     if row["traffic"]["mismatch"]:
@@ -328,6 +359,12 @@ def verdict(
         return KEEP_TESTING, (
             f"the smaller arm's requests come from units in {min(groups)} of {UNIT_BUCKETS} "
             f"groups, {options.min_unit_groups} needed: too few users to tell"
+        )
+    windows = [w for w in (row.get("windows"), base_windows) if w is not None]
+    if windows and min(windows) < MIN_WINDOWS:
+        return KEEP_TESTING, (
+            f"the smaller arm's requests fall in {min(windows)} windows of time, {MIN_WINDOWS} "
+            "needed: too short to tell a difference from the node's drift"
         )
     speed = row["tokens_per_s"]["difference"]
     shown = (
@@ -364,7 +401,8 @@ def render(report: dict[str, Any]) -> str:
         f"always-valid {1 - report['alpha']:.0%} CIs (mixture SPRT)",
         f"unit: {report['unit']}"
         + (
-            f" (intervals and split cluster-robust over {UNIT_BUCKETS} groups of units)"
+            f" (intervals and split cluster-robust over {UNIT_BUCKETS} groups of units; "
+            f"intervals also over windows of {report['window_s']:.0f} s)"
             if report["cluster_robust"]
             else " (each request taken as independent: no unit-group series)"
         ),

@@ -24,6 +24,8 @@ late: the interval is narrowest when the difference is about tau.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -62,40 +64,98 @@ class Moments:
         return self.total if self.is_constant else self.mean
 
 
+# Fewer groups of either kind than this give a two-way variance no better than a guess.
+MIN_CLUSTERS = 4
+
+
 @dataclass(frozen=True)
 class Clustered:
-    """One arm's per-request observations summed per group of randomisation units (count and
-    sum per group), for a mean whose variance holds however the units' requests correlate.
+    """One arm's per-request observations summed per cell, a cell being a group of randomisation
+    units in one window of time: (group, window, count, sum). Its mean holds however a unit's
+    requests correlate, and however requests close in time do.
 
-    The mean is a ratio (all sums over all counts); its variance is the cluster-robust (CR1)
-    sandwich over the G groups: G / (G - 1) * sum_g (sum_g - mean * count_g)^2 / count^2
-    (Cameron, Miller. "A Practitioner's Guide to Cluster-Robust Inference." J. Human Resources
-    50(2), 2015). Requests of one user share the user's speed, prompts and drafter luck; counted
-    as independent they make intervals too narrow, by more the more requests each user sends."""
+    Requests of one user share the user's speed, prompts and drafter luck; requests close in
+    time share their engine's batch and the node's other work (on a loaded node an arm's
+    per-user speed drifts: `python -m specserve.bench.speed_drift`). Counted as independent,
+    either makes intervals too narrow. The mean is a ratio (all sums over all counts); its
+    variance is the cluster-robust (CR1) sandwich over the groups of units where every cell is
+    in one window, and two-way over units and windows where the cells span several (Cameron,
+    Gelbach, Miller. "Robust Inference With Multiway Clustering." J. Business & Economic
+    Statistics 29(2), 2011; the one-way sandwich: Cameron, Miller. "A Practitioner's Guide to
+    Cluster-Robust Inference." J. Human Resources 50(2), 2015)."""
 
-    groups: tuple[tuple[float, float], ...]  # (count, sum) of each group with requests
+    cells: tuple[tuple[str, int, float, float], ...]
+
+    @classmethod
+    def of_groups(cls, groups: Iterable[tuple[float, float]]) -> Clustered:
+        """(count, sum) per group of units, all in one window."""
+        return cls(tuple((str(i), 0, count, total) for i, (count, total) in enumerate(groups)))
 
     @property
     def n(self) -> float:
-        return sum(count for count, _ in self.groups)
+        return sum(count for _, _, count, _ in self.cells)
 
     @property
     def clusters(self) -> int:
-        return len(self.groups)
+        """Groups of units with requests."""
+        return len({group for group, _, count, _ in self.cells if count > 0})
+
+    @property
+    def windows(self) -> int:
+        """Windows of time with requests."""
+        return len({window for _, window, count, _ in self.cells if count > 0})
 
     is_constant = False
 
     def value(self) -> float:
         n = self.n
-        return sum(total for _, total in self.groups) / n if n > 0 else math.nan
+        return sum(total for _, _, _, total in self.cells) / n if n > 0 else math.nan
 
     def variance_of_mean(self) -> float:
-        g = self.clusters
-        if g < 2:
-            return math.nan
-        n, mean = self.n, self.value()
-        spread = sum((total - mean * count) ** 2 for count, total in self.groups)
-        return g / (g - 1) * spread / (n * n)
+        return clustered_variance(((self, 1.0),))
+
+
+def clustered_variance(parts: Iterable[tuple[Clustered, float]]) -> float:
+    """Variance of sum(sign * mean) over the (arm, sign) parts, by the arms' cells.
+
+    Each request's share of the estimate is sign * (value - its arm's mean) / its arm's count,
+    summed per cell. Groups of units are the arm's own (different arms' users are different
+    users); a window is shared by the arms, so that engines which slow each other down (two on
+    one core: when one is fast the other is slow) count as they move. One window: one-way over
+    the groups of units. Several: V_units + V_windows - V_cells (taken as the larger one-way
+    variance where that is larger: the sum can fall below either), times df / (df - 2) for
+    df = one less than the fewer of groups and windows, the variance of Student's t against the
+    normal the always-valid interval assumes: a few windows estimate the variance loosely. Too
+    few of either (MIN_CLUSTERS): nan."""
+    units: dict[tuple[int, str], float] = defaultdict(float)
+    windows: dict[int, float] = defaultdict(float)
+    cells: dict[tuple[int, str, int], float] = defaultdict(float)
+    for index, (arm, sign) in enumerate(parts):
+        n, mean = arm.n, arm.value()
+        for group, window, count, total in arm.cells:
+            if count <= 0:
+                continue
+            share = sign * (total - mean * count) / n
+            units[index, group] += share
+            windows[window] += share
+            cells[index, group, window] += share
+    if len(windows) <= 1:
+        return _sandwich(units.values())
+    fewer = min(len(units), len(windows))
+    if fewer < MIN_CLUSTERS:
+        return math.nan
+    by_units, by_windows = _sandwich(units.values()), _sandwich(windows.values())
+    both = by_units + by_windows - _sandwich(cells.values())
+    df = fewer - 1
+    return max(both, by_units, by_windows) * df / (df - 2)
+
+
+def _sandwich(shares: Collection[float]) -> float:
+    """G / (G - 1) * the sum of the squared shares of G clusters; nan for fewer than 2."""
+    g = len(shares)
+    if g < 2:
+        return math.nan
+    return g / (g - 1) * sum(share * share for share in shares)
 
 
 @dataclass(frozen=True)
@@ -135,7 +195,11 @@ def difference(
     tau is `relative_tau` times the baseline's mean (the interval is tuned to detect
     differences of about that share)."""
     estimate = treatment.value() - baseline.value()
-    variance = treatment.variance_of_mean() + baseline.variance_of_mean()
+    if isinstance(treatment, Clustered) and isinstance(baseline, Clustered):
+        # One variance over both arms' cells: their windows of time are the same.
+        variance = clustered_variance(((treatment, 1.0), (baseline, -1.0)))
+    else:
+        variance = treatment.variance_of_mean() + baseline.variance_of_mean()
     if math.isnan(variance):
         return Interval(estimate, -math.inf, math.inf)
     tau = relative_tau * abs(baseline.value()) or 1.0

@@ -5,6 +5,7 @@ whose exposition the test chooses (tests/conftest.py) plays those gaps."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -35,6 +36,19 @@ def gauges(revision: str, weights: dict[str, float], drained: set[str]) -> list[
         lines.append(f"{EXPORT_PREFIX}{ARM_WEIGHT}{{{labels}}} {weight}")
         lines.append(f"{EXPORT_PREFIX}{ARM_DRAINED}{{{labels}}} {int(arm in drained)}")
     return lines
+
+
+@contextlib.contextmanager
+def counter_scraped(tmp_path, series: str, value: float):
+    """A real Prometheus scraping a port that exports `series` at `value`, once it holds it:
+    (the port, whose lines the test changes, and a client)."""
+    with (
+        metrics_port([f"{series} {value:g}"]) as port,
+        prometheus_server(tmp_path, port.target) as url,
+    ):
+        prometheus = Prometheus(url)
+        until_scraped(prometheus, f"{series} == {value:g}")
+        yield port, prometheus
 
 
 @pytest.mark.ray  # a Prometheus server of its own
@@ -86,12 +100,7 @@ def test_a_counter_missing_from_the_scrapes_when_the_experiment_begins_counts_fr
     """The report's totals are each counter's growth since the experiment began: a counter in
     an export gap at that moment still starts from its last value, not from 0."""
     series = f'{EXPORT_PREFIX}{ARM_SELECTIONS}_total{{model="{MODEL}",{ARM}="a"}}'
-    with (
-        metrics_port([f"{series} 10"]) as port,
-        prometheus_server(tmp_path, port.target) as url,
-    ):
-        prometheus = Prometheus(url)
-        until_scraped(prometheus, f"{series} == 10")
+    with counter_scraped(tmp_path, series, 10) as (port, prometheus):
         port.lines = []  # the gap
         until_scraped(prometheus, series, present=False)
         since = time.time()  # the experiment begins in the gap
@@ -112,12 +121,7 @@ def test_a_challenger_named_as_an_earlier_one_counts_only_the_requests_since_it_
         f'{EXPORT_PREFIX}{REQUEST_STAT_COUNT}_total{{model="{MODEL}",{ARM}="c",'
         f'{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
     )
-    with (
-        metrics_port([f"{series} 40"]) as port,
-        prometheus_server(tmp_path, port.target) as url,
-    ):
-        prometheus = Prometheus(url)
-        until_scraped(prometheus, f"{series} == 40")
+    with counter_scraped(tmp_path, series, 40) as (port, prometheus):
         added = time.time()  # the earlier run's 40 requests are in Prometheus
         time.sleep(2)
         before_serving = prometheus.counted_requests("c", added, time.time())
@@ -133,12 +137,7 @@ def test_a_counter_grows_window_by_window_and_the_windows_add_up_to_its_growth(t
     counter grew by in it. Growth in an export gap lands in the window that sees it next, a
     restarted counter counts from 0, and the windows add up to what `counts` finds."""
     series = f'{EXPORT_PREFIX}{ARM_SELECTIONS}_total{{model="{MODEL}",{ARM}="a"}}'
-    with (
-        metrics_port([f"{series} 10"]) as port,
-        prometheus_server(tmp_path, port.target) as url,
-    ):
-        prometheus = Prometheus(url)
-        until_scraped(prometheus, f"{series} == 10")
+    with counter_scraped(tmp_path, series, 10) as (port, prometheus):
         since = time.time()
         for lines, value in (([f"{series} 13"], 13), ([], None), ([f"{series} 20"], 20)):
             time.sleep(3)  # three seconds apart: windows of two see each step on its own

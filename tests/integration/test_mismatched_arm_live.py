@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 
 from specserve import headers, loop
 from specserve.ab.prometheus import Prometheus
-from specserve.ab.report import PROMOTE
+from specserve.ab.report import MIN_WINDOW_S, MIN_WINDOWS, PROMOTE
 from specserve.capture import store
 from specserve.config.schema import load_config
 from specserve.config.serve_config import arm_app_name
@@ -167,6 +167,9 @@ def test_the_report_rolls_back_a_worse_arm(live, prometheus, mismatched_arm, tmp
 
         with cf.ThreadPoolExecutor(2) as pool:
             served = list(pool.map(lambda i: stream_once(live, TOPICS[i % 8], 16), range(REQUESTS)))
+            # No verdict before the experiment spans the report's least number of windows.
+            while time.time() < since + MIN_WINDOWS * MIN_WINDOW_S + PLATFORM_SCRAPE_S:
+                served += pool.map(lambda i: stream_once(live, TOPICS[i % 8], 16), range(2))
         counts = {arm: served.count(arm) for arm in set(served)}
         assert set(counts) == {"no-spec", MISMATCHED}, counts
         time.sleep(2 + PLATFORM_SCRAPE_S)  # Ray's export interval, then a scrape

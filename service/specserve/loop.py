@@ -240,7 +240,7 @@ class Experiment:
         report = build_report(self.prometheus, options, since, self.config.model)
         for row in report["arms"]:
             if row["arm"] == challenger:
-                return row | {"unit": report["unit"], "cluster_robust": report["cluster_robust"]}
+                return row | {key: report[key] for key in ("unit", "cluster_robust", "window_s")}
         raise PrometheusError(f"no figures for the challenger {challenger!r} yet")
 
 

@@ -143,8 +143,9 @@ class Prometheus:
 
     # -- what the report needs --------------------------------------------------------------
 
-    def model(self) -> str:
-        found = self.vector(_last(_name(CONFIG_INFO)), time.time())
+    def model(self, at: float | None = None) -> str:
+        """The one model served at `at` (now by default)."""
+        found = self.vector(_last(_name(CONFIG_INFO)), time.time() if at is None else at)
         models = {labels["model"] for labels, _ in found if "model" in labels}
         if not models:
             raise PrometheusError(

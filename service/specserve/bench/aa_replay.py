@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the experiments as JSON here")
     args = parser.parse_args(argv)
     prom = Prometheus(args.prometheus)
-    model = args.model or prom.model()
+    model = args.model or prom.model(args.end)
     options = report.Options(baseline=args.baseline, min_requests=args.min_requests)
     starts = []
     since = args.start

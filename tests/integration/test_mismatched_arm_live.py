@@ -363,7 +363,9 @@ def test_drafter_weights_are_loaded_by_the_running_engine_and_back(live, mismatc
 
 
 CAPTURED = 60  # extraction requests captured for adapt
-MAX_WAIT_S = 120  # for the A/B's verdict, from the challenger's first answer
+# For the A/B's verdict, from the challenger's first answer: a minute past the report's
+# least windows of time, before which it gives none.
+MAX_WAIT_S = MIN_WINDOWS * MIN_WINDOW_S + 60
 
 
 def with_capture(config: str, arm: str) -> str:

@@ -62,6 +62,11 @@ PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABOR
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # The routing key the loop sets while its challenger serves.
 LEFT_OUT_KEY = "ab_left_out_prompts"
+# Seconds after adding the challenger from which its requests are counted: more than Ray's
+# metrics export (deploy.METRICS_REPORT_S; 10 s by default) and a scrape (the chart's: 15 s)
+# take, less than a new engine takes to start. An A/A rerun that added the same name 5 s after
+# the run before removed it saw 4 of that run's requests arrive and read them as the new one's.
+SETTLE_S = 30.0
 
 
 class LoopError(RuntimeError):
@@ -222,7 +227,7 @@ class Experiment:
         self.prometheus, self.config = prometheus, config
 
     def served(self, arm: str, since: float) -> float:
-        return self.prometheus.counted_requests(arm, since, time.time())
+        return self.prometheus.selections(arm, since, time.time())
 
     def drained(self, arm: str) -> bool:
         return self.prometheus.drained(arm, time.time())
@@ -318,7 +323,12 @@ class Loop:
     def _experiment(self, challenger: str, added: float) -> dict[str, Any]:
         c = self.config
         deadline = self.clock() + c.start_timeout_s
-        while self._served(challenger, added) < 1:
+        # What an earlier arm of the same name (a rerun with the same candidate) was sent before
+        # it went reaches Prometheus up to an export and a scrape later: counted from after
+        # that, none of it reads as this challenger serving. A new engine takes longer to start.
+        counted_from = added + SETTLE_S
+        self.sleep(max(0.0, counted_from - self.clock()))
+        while self._served(challenger, counted_from) < 1:
             if self.clock() > deadline:
                 return self._end(challenger, TIMED_OUT, "it never answered a request")
             self.sleep(min(c.poll_s, 5.0))
@@ -356,9 +366,10 @@ class Loop:
                 return self._end(challenger, TIMED_OUT, f"no verdict in {c.max_wait_s:.0f} s")
 
     def _served(self, challenger: str, since: float) -> float:
-        """Requests the challenger answered since it was added: a challenger's name used before
-        (a rerun with the same candidate) has its series' earlier counts in Prometheus, and read
-        whole they started the experiment before its engine served (its share read 0 %)."""
+        """Requests the router sent the challenger since `since`: a challenger's name used
+        before (a rerun with the same candidate) has its series' earlier counts in Prometheus,
+        and read whole they started the experiment before its engine served (its share read
+        0 %); so did the last requests of the run before, counted after it removed the arm."""
         try:
             return self.experiment.served(challenger, since)
         except PrometheusError as exc:

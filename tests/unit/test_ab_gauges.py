@@ -19,10 +19,10 @@ from specserve.metrics import (
     ARM_WEIGHT,
     CONFIG_INFO,
     EXPORT_PREFIX,
-    REQUEST_OUTPUT_SPEED,
-    REQUEST_STAT_COUNT,
     REVISION,
-    STAT,
+    SELECTED_BY,
+    SELECTED_BY_OVERRIDE,
+    SELECTED_BY_WEIGHT,
 )
 from tests.conftest import metrics_port, prometheus_server, until_scraped
 
@@ -114,20 +114,23 @@ def test_a_counter_missing_from_the_scrapes_when_the_experiment_begins_counts_fr
 def test_a_challenger_named_as_an_earlier_one_counts_only_the_requests_since_it_was_added(
     tmp_path,
 ):
-    """The loop starts its experiment once the challenger has answered a request. A rerun with
-    the same candidate reuses its name, and the earlier run's count read whole started the
+    """The loop starts its experiment once the router has sent the challenger a request. A rerun
+    with the same candidate reuses its name, and the earlier run's count read whole started the
     experiment before the new engine served: its traffic share read 0 %, a false mismatch."""
     series = (
-        f'{EXPORT_PREFIX}{REQUEST_STAT_COUNT}_total{{model="{MODEL}",{ARM}="c",'
-        f'{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
+        f'{EXPORT_PREFIX}{ARM_SELECTIONS}_total{{model="{MODEL}",{ARM}="c",'
+        f'{SELECTED_BY}="{SELECTED_BY_WEIGHT}"}}'
     )
+    override = series.replace(SELECTED_BY_WEIGHT, SELECTED_BY_OVERRIDE)
     with counter_scraped(tmp_path, series, 40) as (port, prometheus):
         added = time.time()  # the earlier run's 40 requests are in Prometheus
         time.sleep(2)
-        before_serving = prometheus.counted_requests("c", added, time.time())
-        port.lines = [f"{series} 41"]
+        port.lines = [f"{series} 40", f"{override} 5"]  # forced requests: not randomized
+        until_scraped(prometheus, f"{override} == 5")
+        before_serving = prometheus.selections("c", added, time.time())
+        port.lines = [f"{series} 41", f"{override} 5"]
         until_scraped(prometheus, f"{series} == 41")
-        serving = prometheus.counted_requests("c", added, time.time())
+        serving = prometheus.selections("c", added, time.time())
     assert (before_serving, serving) == (0, 1)
 
 

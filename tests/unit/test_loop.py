@@ -154,11 +154,14 @@ def row(verdict: str, mismatch: bool = False) -> dict:
     return {"verdict": verdict, "reason": verdict, "traffic": {"mismatch": mismatch}}
 
 
-def run(tmp_path, experiment, log=lambda _: None, **config) -> tuple[dict, LocalStore, str]:
+def run(
+    tmp_path, experiment, log=lambda _: None, now: list[float] | None = None, **config
+) -> tuple[dict, LocalStore, str]:
+    """The loop on `experiment`'s readings, its clock `now[0]` moved by its sleeps."""
     live = tmp_path / "config.yaml"
     live.write_text(DEFAULT.read_text())
     local = LocalStore(live)
-    now = [0.0]
+    now = [0.0] if now is None else now
 
     def sleep(s: float) -> None:
         now[0] += s
@@ -249,6 +252,31 @@ def test_prometheus_out_of_reach_is_asked_again_at_the_next_poll(tmp_path):
     report, local, _ = run(tmp_path, experiment)
     assert experiment.failed == {"served", "drained"}
     assert report["outcome"] == loop.PROMOTED and len(report["rows"]) == 2
+
+
+class Recording(Scripted):
+    """Notes when the served count is read, and from when."""
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.reads = clock, []
+
+    def served(self, arm: str, since: float) -> float:
+        self.reads.append((self.clock(), since))
+        return super().served(arm, since)
+
+
+def test_the_challenger_counts_as_serving_from_after_what_an_earlier_arm_left_arrived(tmp_path):
+    """A rerun with the same candidate adds a challenger of the same name seconds after the run
+    before removed it; that run's last requests reach Prometheus after the new one is added.
+    The loop counts the challenger's requests from SETTLE_S after adding it, so they do not
+    start the experiment before the new engine serves."""
+    now = [0.0]
+    experiment = Recording(lambda: now[0], [0, 1], [row(PROMOTE)])
+    report, _, _ = run(tmp_path, experiment, now=now)
+    assert report["outcome"] == loop.PROMOTED
+    assert experiment.reads[0] == (loop.SETTLE_S, loop.SETTLE_S)
+    assert all(since == loop.SETTLE_S for _, since in experiment.reads)
 
 
 class Failing(Scripted):

@@ -295,11 +295,13 @@ class Prometheus:
                     cells[arm].append((bucket, window, count, total))
         return cells
 
-    def counted_requests(self, arm: str, since: float, at: float) -> float:
-        """Weighted and sticky requests `arm` answered in (since, at] (what the report counts):
-        `counts`, so an earlier arm of the same name adds nothing."""
-        counter = _name(REQUEST_STAT_COUNT) + "_total"
-        series = f'{counter}{{{ARM}="{arm}",{STAT}="{REQUEST_OUTPUT_SPEED}"}}'
+    def selections(self, arm: str, since: float, at: float) -> float:
+        """Weighted and sticky requests the router sent `arm` in (since, at] (what the report's
+        traffic check counts): `counts`, so an earlier arm of the same name adds nothing. The
+        router selects only running arms, and a request counts here when it starts, not when
+        it ends."""
+        selected = f',{SELECTED_BY}=~"{SELECTED_BY_WEIGHT}|{SELECTED_BY_STICKY}"'
+        series = f'{_name(ARM_SELECTIONS)}_total{{{ARM}="{arm}"{selected}}}'
         return self.counts(series, (), since, at).get((), 0.0)
 
     def errors(self, arm: str, since: float, at: float) -> tuple[float, float]:

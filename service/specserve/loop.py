@@ -79,7 +79,7 @@ class LoopConfig:
     share: float = 0.5  # of the incumbent's weight, for the challenger: 0.5 = the same load
     poll_s: float = 30.0
     max_wait_s: float = 3600.0
-    start_timeout_s: float = 900.0  # for the challenger's first answer
+    start_timeout_s: float = 900.0  # for the challenger's first request
     min_requests: int = 30
     alpha: float = 0.05
     model: str | None = None

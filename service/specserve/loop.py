@@ -330,7 +330,7 @@ class Loop:
         self.sleep(max(0.0, counted_from - self.clock()))
         while self._served(challenger, counted_from) < 1:
             if self.clock() > deadline:
-                return self._end(challenger, TIMED_OUT, "it never answered a request")
+                return self._end(challenger, TIMED_OUT, "the router never sent it a request")
             self.sleep(min(c.poll_s, 5.0))
         since = self.clock()
         self.log(f"challenger {challenger} serves; the experiment runs from now")

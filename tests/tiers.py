@@ -54,8 +54,10 @@ TIERS = (LONG, E2E, DISRUPTIVE, LIVE, RAY)  # a test's tier: the first of these 
 # measured unit 117, ray 835, live ~960, disruptive 218, e2e 349, tests/cluster 738 on B.
 # The head's deletion, then the upgrades, came back into tests/cluster once they passed in
 # whole runs (with pods' memory cgroups and the stranded drain): 1,362 s on B.
-BUDGETS_S = {UNIT: 100, RAY: 650, LIVE: 800, DISRUPTIVE: 300, E2E: 300}
-CLUSTER_BUDGET_S = 1400  # tests/cluster: e2e, in a pytest run of its own
+# Then machine C, on a day it ran everything ~25 % slower, took 1,383 s for the same tests/cluster
+# (1,069 the day before) beside live 400 (~960 on B): the cluster's budget came out of live's.
+BUDGETS_S = {UNIT: 100, RAY: 650, LIVE: 650, DISRUPTIVE: 300, E2E: 300}
+CLUSTER_BUDGET_S = 1550  # tests/cluster: e2e, in a pytest run of its own
 # `make test-long` (each of its two pytest runs): the loop's test took 617 s alone on B and 989
 # s late in a whole run there, the mismatched arm's module 597, the engine kill 328.
 LONG_BUDGET_S = 1200

@@ -1,15 +1,10 @@
 """bench.aa_replay's reading of a look: the report's verdict, or the interval over groups of
 units alone, behind the same gates."""
 
-from dataclasses import replace
-
 import numpy as np
 
-from specserve.ab.prometheus import ArmTotals
 from specserve.ab.report import Options, compare
-from specserve.ab.sequential import Clustered
-from specserve.bench.aa_replay import called
-from specserve.metrics import REQUEST_OUTPUT_SPEED
+from specserve.bench.aa_replay import called, units_alone
 from tests.unit.test_ab import windowed_arm
 
 
@@ -23,7 +18,7 @@ def test_a_drift_both_arms_share_is_a_difference_over_units_alone_and_none_over_
         "b": windowed_arm(1, 30, [-d for d in drift], seed=2),
     }
     # As the replay reads each: the units' totals in one window (the counters' whole growth).
-    units = {name: one_window(totals) for name, totals in arms.items()}
+    units = units_alone(arms)
     options = Options(baseline="b")
     row = compare(arms, {}, {}, options)["arms"][1]
     assert row["tokens_per_s"]["difference"]["relative"] > 0.1
@@ -31,9 +26,3 @@ def test_a_drift_both_arms_share_is_a_difference_over_units_alone_and_none_over_
     assert called(compare(units, {}, {}, options)["arms"][1], "units", options)
     strict = Options(baseline="b", min_requests=int(np.ceil(row["requests"])) + 1)
     assert not called(compare(units, {}, {}, strict)["arms"][1], "units", strict)
-
-
-def one_window(totals: ArmTotals) -> ArmTotals:
-    cells = totals.clustered[REQUEST_OUTPUT_SPEED].cells
-    merged = Clustered(tuple((group, 0, count, total) for group, _, count, total in cells))
-    return replace(totals, clustered={REQUEST_OUTPUT_SPEED: merged})

@@ -240,8 +240,7 @@ class Prometheus:
         it after a reset). Unlike increase(), which cannot see a series' first increment, this
         counts series born in the window (a bucket's first request) and ones that ended in it."""
         window = f"{max(1, math.ceil(now - since))}s"
-        at_start = f"last_over_time({series}[{COUNTER_LOOKBACK_S}s])"
-        before = {_series_key(labels): value for labels, value in self.vector(at_start, since)}
+        before = self._counters_at(series, since)
         grown: dict[tuple[str, ...], float] = defaultdict(float)
         for labels, last in self.vector(f"last_over_time({series}[{window}])", now):
             start = before.get(_series_key(labels), 0.0)
@@ -249,6 +248,11 @@ class Prometheus:
                 last - start if last >= start else last
             )
         return dict(grown)
+
+    def _counters_at(self, series: str, at: float) -> dict[frozenset, float]:
+        """Each series' value at `at`: its last sample within COUNTER_LOOKBACK_S before."""
+        last = f"last_over_time({series}[{COUNTER_LOOKBACK_S}s])"
+        return {_series_key(labels): value for labels, value in self.vector(last, at)}
 
     def windowed(
         self, series: str, by: tuple[str, ...], since: float, now: float, window_s: float
@@ -264,8 +268,7 @@ class Prometheus:
         step = math.ceil(window_s)
         ends = math.ceil((now - since) / step)  # window i ends at now - (ends - 1 - i) * step
         first = now - (ends - 1) * step
-        at_start = f"last_over_time({series}[{COUNTER_LOOKBACK_S}s])"
-        before = {_series_key(labels): value for labels, value in self.vector(at_start, since)}
+        before = self._counters_at(series, since)
         grown: dict[tuple[str, ...], dict[int, float]] = defaultdict(lambda: defaultdict(float))
         found = self.matrix(f"last_over_time({series}[{step}s])", first, now, step)
         for labels, values in found:

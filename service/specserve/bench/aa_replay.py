@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specserve.ab import report
-from specserve.ab.prometheus import Prometheus
+from specserve.ab.prometheus import ArmTotals, Prometheus
+from specserve.ab.sequential import Clustered
 
 METHODS = ("two_way", "units")
 
@@ -48,6 +49,20 @@ def called(row: dict, method: str, options: report.Options) -> bool:
     )
 
 
+def units_alone(arms: dict[str, ArmTotals]) -> dict[str, ArmTotals]:
+    """The arms with every window of their cells taken as one: groups of units alone."""
+    return {
+        name: replace(
+            totals,
+            clustered={
+                stat: Clustered(tuple((group, 0, n, total) for group, _, n, total in found.cells))
+                for stat, found in totals.clustered.items()
+            },
+        )
+        for name, totals in arms.items()
+    }
+
+
 def replay(
     prom: Prometheus,
     model: str,
@@ -62,11 +77,12 @@ def replay(
     first: dict[str, dict | None] = dict.fromkeys(METHODS)
     now = since + look_s
     while now <= until and any(found is None for found in first.values()):
+        windowed = prom.totals(model, since, now, report.window_s(now - since))
         for method in METHODS:
             if first[method] is not None:
                 continue
-            window = report.window_s(now - since) if method == "two_way" else math.inf
-            rows = report.compare(prom.totals(model, since, now, window), {}, {}, options)
+            arms = windowed if method == "two_way" else units_alone(windowed)
+            rows = report.compare(arms, {}, {}, options)
             row = next((r for r in rows["arms"] if r["arm"] == arm), None)
             if row is not None and called(row, method, options):
                 d = row["tokens_per_s"]["difference"]

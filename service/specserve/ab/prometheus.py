@@ -267,7 +267,10 @@ class Prometheus:
             return {key: {0: value} for key, value in self.counts(series, by, since, now).items()}
         step = math.ceil(window_s)
         ends = math.ceil((now - since) / step)  # window i ends at now - (ends - 1 - i) * step
-        first = now - (ends - 1) * step
+        # In whole milliseconds, as Prometheus reads times: its last step then falls on `now`
+        # exactly, where two roundings of sub-millisecond times could put it past and drop it.
+        now = round(now, 3)
+        first = round(now - (ends - 1) * step, 3)
         before = self._counters_at(series, since)
         grown: dict[tuple[str, ...], dict[int, float]] = defaultdict(lambda: defaultdict(float))
         found = self.matrix(f"last_over_time({series}[{step}s])", first, now, step)

@@ -90,6 +90,7 @@ VLLM = Supported(
         ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
         ("vllm.v1.core.sched.scheduler", "Scheduler.schedule"),
         ("vllm.v1.engine.core", "EngineCore.post_step"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.take_draft_token_ids"),
     ),
 )
 

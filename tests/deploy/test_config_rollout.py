@@ -37,9 +37,10 @@ SERVICE = "prod-specserve"
 DEFAULT = (Path(__file__).parents[2] / "service/specserve/configs/default.yaml").read_text()
 WEIGHTS = DEFAULT.replace("- name: ngram\n    weight: 25", "- name: ngram\n    weight: 50")
 DRAFTER = WEIGHTS.replace(
-    'model: "package://eagle3"\n      num_speculative_tokens: 1',
     'model: "package://eagle3"\n      num_speculative_tokens: 3',
+    'model: "package://eagle3"\n      num_speculative_tokens: 4',
 )
+assert DRAFTER != WEIGHTS
 INVALID = WEIGHTS.replace("weight: 50", "weight: fifty")
 # What the commands may do, and all the Helm chart's Role grants them (`resource.group` for
 # custom resources): no test may need more.
@@ -193,7 +194,7 @@ def test_apply_history_and_rollback_through_a_release_story(cluster, tmp_path, c
         a["name"] for a in document0["applications"]
     ]
     eagle3 = apps(document2)["arm-eagle3"]["args"]["arm"]["speculative"]
-    assert eagle3["num_speculative_tokens"] == 3
+    assert eagle3["num_speculative_tokens"] == 4
     for other in ("arm-no-spec", "arm-ngram", "arm-eagle3.1"):
         assert apps(document2)[other] == apps(document0)[other]
     assert service2["spec"]["rayClusterConfig"] == service0["spec"]["rayClusterConfig"]
@@ -326,7 +327,7 @@ def test_a_status_update_between_read_and_patch_is_retried(cluster, tmp_path, ca
     service = cluster.get("rayservices", NAMESPACE, SERVICE)
     assert service["status"] == {"serviceStatus": "Running"}
     arm = apps(serve_document(cluster))["arm-eagle3"]["args"]["arm"]
-    assert arm["speculative"]["num_speculative_tokens"] == 3
+    assert arm["speculative"]["num_speculative_tokens"] == 4
 
 
 def test_an_interrupted_apply_is_completed_by_applying_again(cluster, tmp_path, capsys):
@@ -352,7 +353,7 @@ def test_an_interrupted_apply_is_completed_by_applying_again(cluster, tmp_path, 
         apps(serve_document(cluster))["arm-eagle3"]["args"]["arm"]["speculative"][
             "num_speculative_tokens"
         ]
-        == 3
+        == 4
     )
 
 

@@ -4,14 +4,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from specserve.bench import round_cost
+from tests.integration.engine_script import run_engine_script
 
 pytestmark = pytest.mark.ray
 
@@ -89,19 +87,7 @@ SCHEDULED = textwrap.dedent(
 
 
 def _scheduled(tmp_path) -> dict[str, list[dict]]:
-    import json
-
-    script = tmp_path / "scheduled.py"
-    script.write_text(SCHEDULED)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_engine_script(tmp_path, SCHEDULED)
 
 
 def test_the_cpu_engine_drafts_by_the_batch_size_schedule(tmp_path):

@@ -71,8 +71,8 @@ CASES = [
         edit(
             edit(
                 DEFAULT,
-                'model: "package://eagle3"\n      num_speculative_tokens: 1',
-                'model: "package://eagle3"\n      num_speculative_tokens: 2',
+                'model: "package://eagle3"\n      num_speculative_tokens: 3',
+                'model: "package://eagle3"\n      num_speculative_tokens: 4',
             ),
             NGRAM_DEFAULTS,
             "",

@@ -4,7 +4,14 @@ growing fed-forward state from EAGLE-3.1's normalized one."""
 
 import torch
 
-from specserve.drafter.diagnose import SINK_TOKENS, Probe, copy_split, lookup_next, markdown
+from specserve.drafter.diagnose import (
+    SINK_TOKENS,
+    Probe,
+    copy_split,
+    lookup_first_acceptance,
+    lookup_next,
+    markdown,
+)
 from tests.unit.test_drafter_model import make
 
 STEPS = 4
@@ -71,9 +78,10 @@ def test_the_table_has_a_row_per_figure():
     row["acceptance_by_position"] = [0.5, 0.25, 0.1, 0.05]
     row["acceptance_given_previous"] = [0.5, 0.5, 0.4, 0.5]
     row |= {"copyable_share": 0.4, "first_step_right_copyable": 0.7, "first_step_right_other": 0.3}
+    row |= {"acceptance_length": 1.9, "acceptance_length_lookup_first": 2.25}
     table = markdown({"steps": STEPS, "sink_tokens": SINK_TOKENS, "results": [row]})
     assert table.count("\n| d | chat |") == 7
-    assert "| d | chat | 0.400 | 0.700 | 0.300 |" in table
+    assert "| d | chat | 0.400 | 0.700 | 0.300 | 1.900 | 2.250 |" in table
     assert "| step 4 |" in table
 
 
@@ -115,3 +123,29 @@ def test_the_copy_split_divides_the_first_steps_top1_between_copyable_and_other_
     share = split["copyable_share"]
     mixed = share + (1 - share) * split["first_step_right_other"]
     assert abs(mixed - offline_acceptance(model, [rec], 1).step_top1[0]) < 1e-6
+
+
+def test_a_lookup_first_takes_every_draft_of_an_answer_that_repeats_its_prompt():
+    """An answer that is its prompt again: from the first 3 repeated tokens on, the lookup
+    drafts the next k exactly, whatever the drafter guesses; the drafter alone gets none (it
+    guesses one token everywhere). Before the repeat is 3 tokens long the drafter's stand."""
+    model = make(fc_norm=True, norm_output=True).eval()
+    rec = record(answer_start=12)
+    vocabulary = model.draft_ids()
+    ids = vocabulary[torch.arange(12) + 10].repeat(2)  # 12 distinct tokens, then them again
+    rec["input_ids"] = ids
+
+    def one_guess(aux, inputs, steps, logits_from=0):
+        logits = torch.zeros(1, aux.shape[1] - logits_from, model.config.draft_vocab_size)
+        logits[..., 0] = 1.0  # draft id 0, never in the sequence
+        return [logits] * steps
+
+    model.unrolled = one_guess
+    k = 3
+    out = lookup_first_acceptance(model, [rec], k=k, shortest=3)
+    assert out["acceptance_length"] == 1.0
+    # Draft positions 12..23 (each answer token's index): from 15 on the last 3 tokens recur;
+    # drafts at 15..21 are all right (k each), at 22 two tokens remain, at 23 one.
+    positions = list(range(12, T))
+    accepted = sum(min(k, T - p) for p in positions if p >= 15)
+    assert abs(out["acceptance_length_lookup_first"] - (1 + accepted / len(positions))) < 1e-9

@@ -91,6 +91,21 @@ def test_an_eagle_arm_skips_its_drafter_at_k0_unless_told_not_and_vllm_never_see
     assert vllm_fixes.SKIP_DRAFTER_AT_K0_ENV not in engine_env(default.arm("base"))
 
 
+def test_an_eagle_arm_looks_up_its_prompt_first_only_when_told_and_vllm_never_sees_the_key():
+    default = parse_config(EAGLE % "")
+    assert vllm_fixes.PROMPT_LOOKUP_FIRST_ENV not in engine_env(default.arm("e"))
+    lookup = parse_config(EAGLE % ", prompt_lookup_first: 3")
+    arm = lookup.arm("e")
+    assert engine_env(arm)[vllm_fixes.PROMPT_LOOKUP_FIRST_ENV] == "3"
+    assert "prompt_lookup_first" not in engine_kwargs(arm, lookup.model)["speculative_config"]
+    assert "prompt_lookup_first" in str(arm.engine_args())  # a change redeploys the arm
+    with pytest.raises(ConfigError, match="prompt_lookup_first"):
+        parse_config(EAGLE % ", prompt_lookup_first: 0")
+    on_gpus = (EAGLE % ", prompt_lookup_first: 3").replace("accelerator: cpu", "accelerator: gpu")
+    with pytest.raises(ConfigError, match="prompt_lookup_first needs model.accelerator: cpu"):
+        parse_config(on_gpus)
+
+
 def test_each_batch_size_gets_the_k_with_the_most_tokens_per_second():
     picked = {c.batch_size: c for c in k_schedule.choices(costs(), CHAIN)}
     assert picked[1].k == 3  # 2.15 / 36 ms beats 1 / 30 ms

@@ -113,3 +113,45 @@ def test_a_step_scheduled_at_k0_is_not_followed_by_a_fetch_of_drafts():
         assert record(scheduler).num_spec_tokens_to_schedule == k
         post_step(engine, True)
     assert scheduler.step_k == 1 and fetches == [True, True, True]  # none after the k = 0 steps
+
+
+def test_a_prompt_lookup_drafts_what_followed_the_repeated_suffix_then_the_drafters_tokens():
+    import numpy as np
+
+    #                 0   1   2   3   4   5   6   7   8   9
+    tokens = np.array([5, 7, 9, 11, 13, 2, 7, 9], dtype=np.int32)  # "7 9" occurred at 1-2
+    drafter = [100, 101, 102]
+    assert vllm_fixes.lookup_drafts(tokens, drafter, 2, 4096) == [11, 13, 2]
+    # A match that must be 3 tokens long: "2 7 9" never occurred before, so the drafter's.
+    assert vllm_fixes.lookup_drafts(tokens, drafter, 3, 4096) == drafter
+    # A match near the end proposes fewer tokens than k: the drafter's fill the rest.
+    near_end = np.array([4, 6, 8, 4, 6], dtype=np.int32)  # "4 6" -> "8 4 6"; then "8" stands
+    assert vllm_fixes.lookup_drafts(near_end, drafter, 2, 4096) == [8, 4, 6]
+    short = np.array([3, 3], dtype=np.int32)  # "3" -> "3": one token from the lookup
+    assert vllm_fixes.lookup_drafts(short, drafter, 1, 4096) == [3, 101, 102]
+    # Nothing is drafted past the model's length.
+    assert vllm_fixes.lookup_drafts(tokens, drafter, 2, len(tokens) + 1) == [11, 101, 102]
+
+
+def test_the_lookup_replaces_the_drafts_the_engine_core_takes_request_by_request():
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.outputs import DraftTokenIds
+
+    rows = np.zeros((3, 16), dtype=np.int32)
+    rows[0, :6] = [1, 2, 3, 4, 1, 2]  # "1 2" recurs: the lookup drafts "3 4"
+    rows[1, :4] = [5, 6, 7, 8]  # nothing recurs: the drafter's drafts stand
+    batch = SimpleNamespace(
+        req_id_to_index={"a": 0, "b": 1, "c": 2},
+        token_ids_cpu=rows,
+        num_tokens_no_spec=np.array([6, 4, 0]),
+    )
+    runner = SimpleNamespace(input_batch=batch, max_model_len=64)
+    taken = DraftTokenIds(["a", "b", "c", "gone"], [[9, 9], [10, 11], [], [12, 13]])
+    wrapped = vllm_fixes.prompt_lookup_first(lambda self: taken, 2)
+    out = wrapped(runner)
+    assert out.req_ids == taken.req_ids
+    # "c" drafted nothing (k = 0) and "gone" left the batch: both as they were.
+    assert out.draft_token_ids == [[3, 4], [10, 11], [], [12, 13]]
+    assert vllm_fixes.prompt_lookup_first(lambda self: None, 2)(runner) is None

@@ -217,7 +217,9 @@ class NgramSpeculation(_Drafting):
 
 class Eagle3Speculation(_Drafting):
     # Keys specserve's engine reads itself; vLLM's speculative_config is the rest.
-    platform_keys: ClassVar[frozenset[str]] = frozenset({"skip_drafter_at_k0"})
+    platform_keys: ClassVar[frozenset[str]] = frozenset(
+        {"skip_drafter_at_k0", "prompt_lookup_first"}
+    )
 
     method: Literal["eagle3"] = Field(
         description="EAGLE-3 drafter; EAGLE-3.1 checkpoints (fc_norm, norm_output) use it too."
@@ -233,6 +235,17 @@ class Eagle3Speculation(_Drafting):
         "gaps when drafting resumes; skipping it makes a step at k = 0 cost what a step "
         "without speculation does, for a slightly lower acceptance in the steps that draft "
         "again (docs/config.md). CPU engines; GPU engines always run the pass.",
+    )
+    prompt_lookup_first: int | None = Field(
+        None,
+        ge=1,
+        le=8,
+        description="Draft by prompt lookup first: where the request's last N or more tokens "
+        "(N this value) occurred earlier in its prompt or output, draft the tokens that "
+        "followed them there (the `ngram` arm's lookup) instead of the drafter's guesses; "
+        "elsewhere the drafter drafts. Copying is what the drafter does worst (answers that "
+        "repeat names, code or documents); output is unchanged (docs/config.md). CPU engines; "
+        "null: the drafter alone.",
     )
     revision: str | None = Field(
         None,
@@ -732,6 +745,20 @@ class RouterConfig(_Strict):
             problem = unpinned_code(self.model, arm)
             if problem:
                 raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_lookup_on_cpu_engines(self) -> RouterConfig:
+        # The lookup swaps drafts where a CPU engine's core takes them; a GPU engine's
+        # scheduling never passes there, so the key would do nothing (docs/config.md).
+        for arm in self.arms:
+            if getattr(arm.speculative, "prompt_lookup_first", None) is not None and (
+                self.model.accelerator != "cpu"
+            ):
+                raise ValueError(
+                    f"arm {arm.name!r}: speculative.prompt_lookup_first needs "
+                    "model.accelerator: cpu"
+                )
         return self
 
     def arm(self, name: str) -> ArmConfig | None:

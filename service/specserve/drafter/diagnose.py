@@ -15,7 +15,10 @@ prompts the target answers itself, at every draft step j:
 - copying: the share of answer tokens a prompt lookup predicts (what the `ngram` arm drafts:
   the token after the latest earlier occurrence of the longest suffix of LOOKUP_NGRAM tokens),
   and the first draft step's top-1 on those tokens and on the rest. A drafter that copies gets
-  the copyable ones more often than the others.
+  the copyable ones more often than the others;
+- a prompt lookup first (`speculative.prompt_lookup_first`): acceptance length at LOOKUP_K of the
+  drafter alone and with the engine's own lookup (engine/vllm_fixes.py `lookup_drafts`, a match
+  of LOOKUP_FIRST or more tokens) drafting first where it proposes, at every answer position.
 
 Runs the target with transformers on CPU (greedy answers, then its hidden states), the drafters
 in float32 with the same unrolled forward training uses (Drafter.unrolled).
@@ -40,6 +43,8 @@ SETS = ("chat", "long")
 # The suffix lengths a prompt lookup tries, longest first: the default config's `ngram` arm's
 # prompt_lookup_min and prompt_lookup_max.
 LOOKUP_NGRAM = (2, 4)
+LOOKUP_FIRST = 3  # the shortest match whose drafts replace the drafter's (docs/config.md)
+LOOKUP_K = 3
 
 
 def held_out_records(
@@ -191,6 +196,46 @@ def copy_split(model: Drafter, records: list[dict]) -> dict[str, float]:
     }
 
 
+@torch.no_grad()
+def lookup_first_acceptance(
+    model: Drafter, records: list[dict], k: int = LOOKUP_K, shortest: int = LOOKUP_FIRST
+) -> dict[str, float]:
+    """Acceptance length at k over every answer position (1 + the leading draft tokens that are
+    the target's own), with the drafter's teacher-forced steps alone and with a prompt lookup's
+    tokens in their place where the lookup proposes, as the engine combines them."""
+    import numpy as np
+
+    from specserve.engine.vllm_fixes import lookup_drafts
+
+    accepted = {"drafter": 0, "lookup_first": 0}
+    positions = 0
+    for record in records:
+        aux, inputs, labels, _, first = sequence_batch(record, k, max_len=1 << 30)
+        logits = model.unrolled(aux.float(), inputs, k, logits_from=first)
+        right = [
+            (step[0].argmax(-1) == model.to_draft(label[0, first:].clamp(min=0))).tolist()
+            for step, label in zip(logits, labels, strict=True)
+        ]
+        ids = record["input_ids"].numpy().astype(np.int32)
+        answer = (labels[0][0, first:] >= 0).nonzero().flatten().tolist()
+        for t in answer:
+            position = first + t + 2  # the first draft token's index in ids (sequence_batch)
+            truth = ids[position : position + k].tolist()
+            looked_up = lookup_drafts(ids[:position], [-1] * k, shortest, 1 << 30)
+            for name, mine in (("drafter", [-1] * k), ("lookup_first", looked_up)):
+                ok = [
+                    (mine[j] == truth[j]) if mine[j] != -1 else bool(right[j][t])
+                    for j in range(min(k, len(truth)))
+                ]
+                accepted[name] += next((j for j, good in enumerate(ok) if not good), len(ok))
+            positions += 1
+    n = max(positions, 1)
+    return {
+        "acceptance_length": 1 + accepted["drafter"] / n,
+        "acceptance_length_lookup_first": 1 + accepted["lookup_first"] / n,
+    }
+
+
 def _rms(x: torch.Tensor) -> float:
     return float(x.float().pow(2).mean(-1).sqrt().mean())
 
@@ -223,6 +268,7 @@ def diagnose(
                     "acceptance_given_previous": conditional,
                     **probe.result(),
                     **copy_split(model, set_records),
+                    **lookup_first_acceptance(model, set_records),
                 }
             )
     return out
@@ -248,13 +294,15 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "| drafter | set | answer tokens a prompt lookup gets right | first step right on them "
-        "| on the others |",
-        "| --- | --- | --- | --- | --- |",
+        f"| on the others | acceptance length at k = {LOOKUP_K} | with a lookup of "
+        f"{LOOKUP_FIRST}+ tokens first |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["results"]:
         lines.append(
             f"| {row['drafter']} | {row['set']} | {row['copyable_share']:.3f} "
-            f"| {row['first_step_right_copyable']:.3f} | {row['first_step_right_other']:.3f} |"
+            f"| {row['first_step_right_copyable']:.3f} | {row['first_step_right_other']:.3f} "
+            f"| {row['acceptance_length']:.3f} | {row['acceptance_length_lookup_first']:.3f} |"
         )
     return "\n".join(lines)
 

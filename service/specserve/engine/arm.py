@@ -128,6 +128,9 @@ def engine_env(arm: ArmEngineConfig) -> dict[str, str]:
     env = dict(arm.env)
     if getattr(arm.speculative, "skip_drafter_at_k0", False):
         env[vllm_fixes.SKIP_DRAFTER_AT_K0_ENV] = "1"
+    lookup_first = getattr(arm.speculative, "prompt_lookup_first", None)
+    if lookup_first is not None:
+        env[vllm_fixes.PROMPT_LOOKUP_FIRST_ENV] = str(lookup_first)
     return env
 
 

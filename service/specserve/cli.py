@@ -535,7 +535,17 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
         adapting = adapt_config(args, base, prepare_model(live.model.source))
         if args.k is None:  # the gate scores at the k the incumbent serves at
             adapting = serving_k(adapting, incumbent)
-        print(f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})")
+        # ... and with the prompt lookup it serves with, which the winner will serve with too.
+        adapting = serving_lookup(adapting, incumbent)
+        lookup = adapting.prompt_lookup_first
+        print(
+            f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})"
+            + (
+                f", a prompt lookup of {lookup}+ tokens first (as {incumbent.name})"
+                if lookup
+                else ""
+            )
+        )
         try:
             adapted = adapt(adapting)
         except (SystemExit, Exception) as exc:  # adapt's refusal, or its run failing
@@ -804,6 +814,14 @@ def serving_k(config: AdaptConfig, arm: ArmConfig) -> AdaptConfig:
     k = highest_k(speculative.num_speculative_tokens, schedule)
     source = f"arm {arm.name}'s " + ("schedule" if schedule else "num_speculative_tokens")
     return replace(config, k=k, k_source=source)
+
+
+def serving_lookup(config: AdaptConfig, arm: ArmConfig) -> AdaptConfig:
+    """`config` scoring with the prompt lookup `arm` drafts with first (none: as given)."""
+    from dataclasses import replace
+
+    lookup = getattr(arm.speculative, "prompt_lookup_first", None)
+    return replace(config, prompt_lookup_first=lookup) if lookup else config
 
 
 def _adapt(args: argparse.Namespace, target: str) -> int:

@@ -49,6 +49,15 @@ SCRIPT = textwrap.dedent(
             after = spec_counters(llm)
             runs[mode] = {k: after[k] - before[k] for k in ("drafts", "accepted")}
             runs[mode]["texts"] = [o.outputs[0].text for o in outputs]
+        # The gate's scoring engines run in-process like this one: they score with the lookup
+        # this process loaded, and refuse to be asked for another.
+        from specserve.drafter.evaluate import _check_lookup_in_force
+        _check_lookup_in_force(3)
+        try:
+            _check_lookup_in_force(0)
+            runs["refused"] = ""
+        except RuntimeError as refused:
+            runs["refused"] = str(refused)
         print(json.dumps(runs))
     """
 )
@@ -59,5 +68,6 @@ def test_a_prompt_lookup_first_keeps_the_text_and_accepts_more_where_answers_cop
     drafter, lookup = runs["drafter"], runs["lookup"]
     assert lookup["texts"] == drafter["texts"]  # verification keeps the target's own text
     # Accepted tokens per draft of 3: 0.72 with the drafter alone, 1.0 with the lookup (machine C).
-    per_draft = {m: r["accepted"] / r["drafts"] for m, r in runs.items()}
+    per_draft = {m: runs[m]["accepted"] / runs[m]["drafts"] for m in ("drafter", "lookup")}
     assert per_draft["lookup"] > 1.25 * per_draft["drafter"], per_draft
+    assert "drafts with 3: it is set when vLLM loads its plugins" in runs["refused"]

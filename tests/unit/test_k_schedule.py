@@ -324,3 +324,26 @@ def test_the_gate_scores_at_the_highest_k_the_incumbent_serves_at(tmp_path):
     assert (scored.k, scored.k_source) == (4, "arm ngram's schedule")
     no_spec = next(a for a in live.arms if a.name == "no-spec")
     assert serving_k(base, no_spec) == base
+
+
+def test_the_gate_scores_with_the_prompt_lookup_the_incumbent_serves_with(tmp_path):
+    from specserve.cli import serving_lookup
+    from specserve.drafter.adapt import AdaptConfig
+    from specserve.drafter.evaluate import _check_lookup_in_force, scoring_env
+
+    base = AdaptConfig(
+        base="b", captured=tmp_path, work_dir=tmp_path, out_dir=tmp_path, target_dir="t"
+    )
+    assert base.prompt_lookup_first == 0
+    with_lookup = parse_config(EAGLE % ", prompt_lookup_first: 3")
+    assert serving_lookup(base, with_lookup.arm("e")).prompt_lookup_first == 3
+    assert serving_lookup(base, parse_config(EAGLE % "").arm("e")) == base
+    assert serving_lookup(base, with_lookup.arm("base")) == base
+    # The scoring engine's plugin reads it from the environment; none is an empty value, so a
+    # process that scored with a lookup before does not pass it on.
+    assert scoring_env(1, 3)[vllm_fixes.PROMPT_LOOKUP_FIRST_ENV] == "3"
+    assert scoring_env(1, 0)[vllm_fixes.PROMPT_LOOKUP_FIRST_ENV] == ""
+    # This process never loaded the plugin with a lookup: asking for one is refused.
+    _check_lookup_in_force(0)
+    with pytest.raises(RuntimeError, match="once per process"):
+        _check_lookup_in_force(3)

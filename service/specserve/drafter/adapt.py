@@ -90,6 +90,9 @@ class AdaptConfig:
     address: str | None = None  # a Ray cluster to join (default: the local one, if running)
     k: int = 3  # the loop scores at the incumbent's own (`k_schedule.highest_k`)
     k_source: str = "the default"  # where `k` came from, for the report
+    # The incumbent's `speculative.prompt_lookup_first` (0: none): both drafters are scored with
+    # the same lookup drafting first, as the arm will serve the winner.
+    prompt_lookup_first: int = 0
     max_scored: int = 64  # held-out captured prompts scored at most (the oldest first)
     eval_max_tokens: int = 128
     original_per_set: int = 12
@@ -560,6 +563,7 @@ def _adapt_on(
 
     scored_rows = held_out[: config.max_scored]
     scoring = [base, candidate.name, config.k, config.eval_max_tokens, config.original_per_set]
+    scoring += [config.prompt_lookup_first] if config.prompt_lookup_first else []
     eval_json = work / f"eval-{_digest([*scoring, scored_rows])[:12]}.json"  # reused only as is
     if not eval_json.exists():
         _isolated(score_on_ray, config, base, str(candidate), scored_rows, eval_json)
@@ -573,6 +577,7 @@ def _adapt_on(
         "scored_at": {
             "num_speculative_tokens": config.k,
             "from": config.k_source,
+            "prompt_lookup_first": config.prompt_lookup_first,
             "sampling": sampling_summary(scored_rows),
         },
         "accepted": None,
@@ -709,5 +714,6 @@ def _score(config: AdaptConfig, base: str, candidate: str, held_out: list[dict],
         ks=(config.k,),
         max_tokens=config.eval_max_tokens,
         threads=config.threads,
+        prompt_lookup_first=config.prompt_lookup_first,
     )
     write_report(results, out)

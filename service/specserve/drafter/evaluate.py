@@ -25,6 +25,7 @@ from specserve.bootstrap import paired_interval
 from specserve.drafter.data import generation_env, shutdown
 from specserve.drafter_checkpoint import interchangeable
 from specserve.engine.drafter_reload import RELOAD_DRAFTER, WORKER_EXTENSION
+from specserve.engine.vllm_fixes import PROMPT_LOOKUP_FIRST_ENV
 from specserve.hardware import fast_dtype
 
 
@@ -84,14 +85,16 @@ def evaluate(
     max_model_len: int = 4096,
     dtype: Literal["bfloat16", "float32"] | None = None,
     threads: int | None = None,
+    prompt_lookup_first: int = 0,
 ) -> list[Acceptance]:
     """Acceptance of every drafter at every k on every prompt set. A set is a list of
     conversations (sent through the target's chat template) or of plain prompts (text, or
     vLLM's `{"prompt_token_ids": [...]}`, which may carry the `sampling` its request used:
     `sampling_params`); greedy decoding where no sampling is given.
     `dtype` defaults to the CPU's fast one (`specserve.hardware`); `threads`: every core unless
-    given (`generation_env`)."""
-    os.environ.update(generation_env(threads))
+    given (`generation_env`); `prompt_lookup_first`: a prompt lookup of that many tokens or more
+    drafts first, as an arm with `speculative.prompt_lookup_first` serves (0: the drafter alone)."""
+    os.environ.update(scoring_env(threads, prompt_lookup_first))
     from vllm import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -124,6 +127,7 @@ def evaluate(
                     worker_extension_cls=WORKER_EXTENSION,
                 )
                 started_from = path
+                _check_lookup_in_force(prompt_lookup_first)
             for set_name, conversations in prompt_sets.items():
                 results.append(
                     _score_set(llm, name, k, set_name, conversations, greedy, max_tokens)
@@ -135,6 +139,26 @@ def evaluate(
     order = list(drafters)
     results.sort(key=lambda r: (order.index(r.drafter), ks.index(r.k)))
     return results
+
+
+def scoring_env(threads: int | None, prompt_lookup_first: int) -> dict[str, str]:
+    """The scoring engines' environment: `generation_env`, and the lookup the engine's plugin
+    reads when it loads (engine/vllm_fixes.py), empty where none is wanted."""
+    return {**generation_env(threads), PROMPT_LOOKUP_FIRST_ENV: str(prompt_lookup_first or "")}
+
+
+def _check_lookup_in_force(prompt_lookup_first: int) -> None:
+    """The engines run in this process (GENERATION_ENV), where vLLM loads specserve's plugin
+    once: a lookup asked for after that would silently not draft. Refuse instead."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    in_force = getattr(GPUModelRunner.take_draft_token_ids, "looks_up_first", 0) or 0
+    if in_force != prompt_lookup_first:
+        raise RuntimeError(
+            f"a prompt lookup of {prompt_lookup_first or 'no'} tokens was asked for, but this "
+            f"process's engines draft with {in_force or 'none'}: it is set when vLLM loads its "
+            "plugins, once per process; score it in a process of its own"
+        )
 
 
 def _score_set(llm, name: str, k: int, set_name: str, conversations, greedy, max_tokens: int):

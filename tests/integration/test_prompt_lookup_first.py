@@ -70,4 +70,4 @@ def test_a_prompt_lookup_first_keeps_the_text_and_accepts_more_where_answers_cop
     # Accepted tokens per draft of 3: 0.72 with the drafter alone, 1.0 with the lookup (machine C).
     per_draft = {m: runs[m]["accepted"] / runs[m]["drafts"] for m in ("drafter", "lookup")}
     assert per_draft["lookup"] > 1.25 * per_draft["drafter"], per_draft
-    assert "drafts with 3: it is set when vLLM loads its plugins" in runs["refused"]
+    assert "engines draft with 3: it is set when vLLM loads its plugins" in runs["refused"]

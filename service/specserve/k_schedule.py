@@ -236,15 +236,14 @@ def fit(costs: RoundCosts) -> CostFit | None:
         coefficients = np.linalg.lstsq(terms[kept], measured[kept], rcond=None)[0]
         error = np.abs(terms @ coefficients - measured) / measured
         kept = error <= OUTLIER_FACTOR * max(float(np.median(error[kept])), 0.01)
-    fitted = terms @ coefficients
     max_k = max(k for _, k, _ in cells)
     grid = np.array(
         [round_terms(b, k) for b in range(1, max(costs.ms) + 1) for k in range(max_k + 1)]
     )
     if (grid @ coefficients).min() <= 0:
         return None
-    error = float(np.median(np.abs(fitted - measured) / measured))
-    return CostFit([float(c) for c in coefficients], error)
+    # `error` is the last pass's, over every cell: the final coefficients'.
+    return CostFit([float(c) for c in coefficients], float(np.median(error)))
 
 
 def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:

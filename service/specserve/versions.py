@@ -91,6 +91,8 @@ VLLM = Supported(
         ("vllm.v1.core.sched.scheduler", "Scheduler.schedule"),
         ("vllm.v1.engine.core", "EngineCore.post_step"),
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.take_draft_token_ids"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids"),
     ),
 )
 

@@ -89,6 +89,56 @@ def test_a_step_at_k0_returns_no_drafts_without_the_drafters_pass():
     assert calls == [2]
 
 
+def test_a_step_without_drafts_samples_plainly_and_one_with_drafts_is_verified():
+    from types import SimpleNamespace
+
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    load_general_plugins()
+    assert GPUModelRunner._sample.samples_plainly_without_drafts
+
+    seen = []
+    sample = vllm_fixes.plain_sample_without_drafts(lambda self, logits, meta: seen.append(meta))
+    no_drafts = SimpleNamespace(max_spec_len=0)  # every request at k = 0 or prefilling
+    drafts = SimpleNamespace(max_spec_len=2)
+    for meta in (no_drafts, drafts, None):
+        sample(object(), "logits", meta)
+    assert seen == [None, drafts, None]  # only a step with drafts reaches the rejection sampler
+
+
+def test_a_step_at_k0_prepares_no_drafter_inputs_when_the_drafters_pass_is_skipped():
+    from types import SimpleNamespace
+
+    calls = []
+
+    def propose_draft_token_ids(self, scheduler_output, *args):
+        calls.append(scheduler_output.num_spec_tokens_to_schedule)
+        return "drafts"
+
+    wrapped = vllm_fixes.skip_draft_inputs_at_k0(propose_draft_token_ids)
+
+    def runner(drafter_propose):
+        drafter = type("Drafter", (), {"propose": drafter_propose})()
+        return SimpleNamespace(
+            drafter=drafter,
+            input_batch=SimpleNamespace(num_reqs=3),
+            device=torch.device("cpu"),
+            _draft_probs=object(),
+            _draft_prob_req_ids=["a"],
+        )
+
+    skipping = runner(vllm_fixes.skip_drafter_at_k0(lambda self, k, **kw: None))
+    out = wrapped(skipping, SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert out.shape == (3, 0) and out.dtype == torch.int64 and calls == []
+    assert skipping._draft_probs is None and skipping._draft_prob_req_ids is None
+    assert wrapped(skipping, SimpleNamespace(num_spec_tokens_to_schedule=2)) == "drafts"
+    # vLLM's own drafter pass at k = 0 (the arm keeps it): its inputs are prepared for it.
+    keeping = runner(lambda self, k, **kw: None)
+    assert wrapped(keeping, SimpleNamespace(num_spec_tokens_to_schedule=0)) == "drafts"
+    assert calls == [2, 0]
+
+
 def test_a_step_scheduled_at_k0_is_not_followed_by_a_fetch_of_drafts():
     from types import SimpleNamespace
 

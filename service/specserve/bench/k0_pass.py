@@ -14,7 +14,6 @@ drafted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specserve.bench.round_cost import in_process_engine
+from specserve.bench.round_cost import in_process_engine, one_arm_parser, pass_medians
 
 SETTINGS = ("keep", "skip")
 
@@ -79,23 +78,14 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
                 }
             )
             print(f"pass {n + 1}, {name}: {json.dumps(found[name][-1])}", file=sys.stderr)
-    return {
-        name: {key: statistics.median(p[key] for p in runs) for key in runs[0]}
-        for name, runs in found.items()
-    }
+    return pass_medians(found)
 
 
 def main(argv: list[str] | None = None) -> int:
     from specserve.config.settings import get_settings
 
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", type=Path, default=None, help="default: the configured one")
-    parser.add_argument("--arm", default="eagle3.1")
+    parser = one_arm_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--in-flight", type=int, default=16, help="requests at once")
-    parser.add_argument("--passes", type=int, default=4, help="per setting")
     args = parser.parse_args(argv)
     config = args.config or get_settings().config
     result = run(args.arm, config, args.prompts, args.in_flight, args.passes)

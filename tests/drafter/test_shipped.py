@@ -56,7 +56,8 @@ def in_vllm(tmp_path_factory) -> dict:
     """vllm_compare.py's result for the embedded target, plain and with each shipped drafter at
     k = 3: greedy chats of 48 tokens, then 200 samples of 6 tokens from the same engines (the
     samples are half the fixture's time: ~50 s an engine on a CPU without bf16). Also a noisy
-    copy of EAGLE-3, whose weights the EAGLE-3 engine then loads in place and back."""
+    copy of EAGLE-3, whose weights the EAGLE-3 engine then loads in place and back, and the
+    EAGLE-3.1 engine's greedy chats again by vLLM's default draft argmax."""
     work = tmp_path_factory.mktemp("compare")
     out = work / "compare.json"
     noisy = noisy_copy(PACKAGED_DRAFTERS_DIR / "eagle3", work / "noisy")
@@ -66,6 +67,7 @@ def in_vllm(tmp_path_factory) -> dict:
     command += ["--k", "3", "--chat", "--max-tokens", "48", "--sample", "200"]
     command += ["--sample-tokens", "6", "--reload", f"eagle3={noisy}"]
     command += ["--misfit", str(PACKAGED_DRAFTERS_DIR / "eagle3.1")]
+    command += ["--scattered-argmax", "eagle3.1"]
     subprocess.run(command, check=True, timeout=1500)
     return json.loads(out.read_text())
 
@@ -94,6 +96,18 @@ def test_a_running_engine_loads_other_drafter_weights_as_a_fresh_engine_would(in
 
 
 REUSED_KEYS = ("eagle3", "noisy", "eagle3_reloaded", "eagle3_restored")
+
+
+@pytest.mark.ray
+def test_drafting_by_the_drafters_own_vocabulary_drafts_what_the_full_vocabulary_would(in_vllm):
+    """`use_local_argmax_reduction` (on in every EAGLE arm): the argmax over the drafter's own
+    vocabulary, mapped to the target's, picks the drafts that vLLM's default (its logits
+    scattered into the target's vocabulary, then the argmax) picks: the same drafts accepted."""
+    local = in_vllm["eagle3.1_drafts"], in_vllm["eagle3.1_accepted"]
+    scattered = in_vllm["eagle3.1_scattered_drafts"], in_vllm["eagle3.1_scattered_accepted"]
+    assert in_vllm["eagle3.1_was_local"] is True
+    assert local == scattered and local[1] > 0, (local, scattered)
+    assert in_vllm["eagle3.1_scattered"] == in_vllm["eagle3.1"] == in_vllm["plain"]
 
 
 def total_variation(a: list, b: list) -> float:

@@ -11,7 +11,11 @@ NAME=DIR`, NAME's engine then loads DIR's weights in place (engine/drafter_reloa
 the greedy prompts again (NAME + "_reloaded"), then its own weights back (NAME + "_restored");
 with `--misfit DIR` it is first asked to load a checkpoint that does not fit (the error under
 NAME + "_misfit"). The engine started with DIR, the reference for "_reloaded", draws no
-samples. A script, not a test, because vLLM's LLM must start under __main__.
+samples. Each drafter drafts by the argmax of its own vocabulary (`use_local_argmax_reduction`,
+as specserve's arms do); with `--scattered-argmax NAME`, NAME's engine then runs the greedy
+prompts again with vLLM's default, the argmax of its logits scattered into the target's
+vocabulary (NAME + "_scattered"). A script, not a test, because vLLM's LLM must start under
+__main__.
 """
 
 import argparse
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--sample-tokens", type=int, default=6, help="tokens per sample")
     parser.add_argument("--reload", metavar="NAME=DIR", help="load DIR into NAME's engine")
     parser.add_argument("--misfit", metavar="DIR", help="a checkpoint --reload must refuse")
+    parser.add_argument("--scattered-argmax", metavar="NAME", help="NAME also by vLLM's argmax")
     args = parser.parse_args()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = [("plain", None)] + [tuple(d.split("=", 1)) for d in args.drafters]
@@ -84,7 +89,12 @@ def main() -> None:
             result[f"{key}_{counter}"] = after[counter] - before[counter]
 
     for name, path in runs:
-        spec = path and {"method": "eagle3", "model": path, "num_speculative_tokens": args.k}
+        spec = path and {
+            "method": "eagle3",
+            "model": path,
+            "num_speculative_tokens": args.k,
+            "use_local_argmax_reduction": True,
+        }
         llm = LLM(
             model=args.target,
             dtype="float32",
@@ -98,6 +108,9 @@ def main() -> None:
             worker_extension_cls=WORKER_EXTENSION if spec else "",
         )
         greedy_run(llm, name)
+        if name == args.scattered_argmax:
+            result[name + "_was_local"] = llm.collective_rpc(draft_by_scattered_argmax)[0]
+            greedy_run(llm, name + "_scattered")
         if name == reload_into:
             if args.misfit:
                 try:
@@ -117,6 +130,13 @@ def main() -> None:
         gc.collect()  # the engine's KV cache goes before the next one is allocated
     with open(args.out, "w") as f:
         json.dump(result, f)
+
+
+def draft_by_scattered_argmax(worker) -> bool:
+    """Switch the worker's drafter to vLLM's default argmax; -> whether it drafted locally."""
+    drafter = worker.model_runner.drafter
+    was_local, drafter.use_local_argmax_reduction = drafter.use_local_argmax_reduction, False
+    return was_local
 
 
 def counters(llm) -> dict[str, int]:

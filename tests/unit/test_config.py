@@ -165,7 +165,12 @@ def test_eagle3_arm_passes_the_drafter():
     )
     config = parse_config(text)
     spec = build_llm_config(config.arm("ngram"), config.model).engine_kwargs["speculative_config"]
-    assert spec == {"method": "eagle3", "model": "/drafters/e31", "num_speculative_tokens": 4}
+    assert spec == {
+        "method": "eagle3",
+        "model": "/drafters/e31",
+        "num_speculative_tokens": 4,
+        "use_local_argmax_reduction": True,  # specserve's default (docs/config.md)
+    }
 
 
 def test_packaged_drafter_resolves_or_names_what_is_shipped(tmp_path, monkeypatch):

@@ -91,6 +91,16 @@ def test_an_eagle_arm_skips_its_drafter_at_k0_unless_told_not_and_vllm_never_see
     assert vllm_fixes.SKIP_DRAFTER_AT_K0_ENV not in engine_env(default.arm("base"))
 
 
+def test_an_eagle_arm_drafts_by_its_own_vocabularys_argmax_unless_told_not():
+    default = parse_config(EAGLE % "")
+    spec = engine_kwargs(default.arm("e"), default.model)["speculative_config"]
+    assert spec["use_local_argmax_reduction"] is True
+    assert "use_local_argmax_reduction" not in str(default.arm("e").engine_args())  # no redeploy
+    off = parse_config(EAGLE % ", use_local_argmax_reduction: false")
+    spec = engine_kwargs(off.arm("e"), off.model)["speculative_config"]
+    assert spec["use_local_argmax_reduction"] is False
+
+
 def test_an_eagle_arm_looks_up_its_prompt_first_only_when_told_and_vllm_never_sees_the_key():
     default = parse_config(EAGLE % "")
     assert vllm_fixes.PROMPT_LOOKUP_FIRST_ENV not in engine_env(default.arm("e"))

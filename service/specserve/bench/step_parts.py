@@ -1,8 +1,10 @@
-"""Where a speculative engine's step goes at k = 0, with vLLM's sampling and drafter-input steps
-and with specserve's (engine/vllm_fixes.py: `plain_sample_without_drafts`,
-`skip_draft_inputs_at_k0`).
+"""Where a speculative engine's step goes, with vLLM's sampling, drafter-input and draft-argmax
+steps and with specserve's (engine/vllm_fixes.py: `plain_sample_without_drafts`,
+`skip_draft_inputs_at_k0`; the arm's `speculative.use_local_argmax_reduction`).
 
     python -m specserve.bench.step_parts --config docs/bench/k0-cost.yaml --arm eagle3.1-k0
+    python -m specserve.bench.step_parts --config docs/bench/every-load-lookup.yaml \
+        --arm eagle3.1 --in-flight 4             # k = 3 by the arm's schedule: the drafter's pass
 
 One in-process engine of the arm (its engine settings, environment and schedule) answers the same
 held-out chat prompts, `--in-flight` at once, each exactly `--tokens` tokens long. Passes
@@ -73,6 +75,11 @@ def run(arm_name: str, config_path: Path, in_flight: int, tokens: int, passes: i
     kwargs.pop("per_request_spec_decode_metrics", None)
     kwargs.update(max_num_seqs=in_flight)
     llm = LLM(model=resolve_model_source(model.source), **kwargs)  # loads specserve's plugin
+    # The drafter's argmax over its own vocabulary (specserve's default) or over its logits
+    # scattered into the target's (vLLM's), where the arm asks for the former.
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process
+    drafter = getattr(core.model_executor.driver_worker.worker.model_runner, "drafter", None)
+    local_argmax = bool(getattr(drafter, "use_local_argmax_reduction", False))
     setting = {"now": SETTINGS[0]}
     spent: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -84,6 +91,8 @@ def run(arm_name: str, config_path: Path, in_flight: int, tokens: int, passes: i
     for n in range(passes):
         for name in SETTINGS[n % 2 :] + SETTINGS[: n % 2]:
             setting["now"] = name
+            if local_argmax:
+                drafter.use_local_argmax_reduction = name == "specserve"  # type: ignore[union-attr]
             spent.clear()
             calls.clear()
             start = time.perf_counter()

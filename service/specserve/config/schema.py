@@ -257,7 +257,7 @@ class Eagle3Speculation(_Drafting):
         True,
         description="vLLM's: each draft token is the argmax of the drafter's own (smaller) "
         "vocabulary, mapped to the target's, instead of the argmax of its logits scattered into "
-        "a full-vocabulary tensor. The same drafts; on two CPU cores it takes 15-19 % off the "
+        "a full-vocabulary tensor. The same drafts; on two CPU cores it takes 22-28 % off the "
         "drafter's pass at 4-8 requests (docs/bench/serving-speed.md). false: vLLM's default.",
     )
 

@@ -132,9 +132,17 @@ class RoundCosts:
     # Acceptance once drafted per position on the bench's own prompts at k = max_k: what
     # `specserve tune` falls back on for an arm without live traffic.
     bench_chain: list[float] = field(default_factory=list)
+    # The cores the engine computed on while measured (its OpenMP threads, one per core).
+    cores: list[int] = field(default_factory=list)
 
     def batch_sizes(self) -> list[int]:
         return sorted(self.ms)
+
+    def where(self) -> str:
+        """The machine and the engine's cores, as a report names them."""
+        cores = ",".join(map(str, self.cores))
+        on = f"core{'s' if len(self.cores) > 1 else ''} {cores}" if cores else "cores unrecorded"
+        return f"{self.machine or 'this machine'}, the engine on {on}"
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -151,6 +159,7 @@ class RoundCosts:
             data.get("machine", ""),
             data.get("measured_at", ""),
             [float(x) for x in data.get("bench_chain", [])],
+            [int(c) for c in data.get("cores", [])],
         )
 
     def save(self, path: Path) -> Path:

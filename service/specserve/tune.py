@@ -88,7 +88,7 @@ def round_costs(
             saved = costs_dir / f"{arm}.json" if costs_dir is not None else None
             if saved is not None and saved.exists():
                 found[arm] = k_schedule.RoundCosts.load(saved)
-                log(f"{arm}: round costs from {saved} ({found[arm].machine})")
+                log(f"{arm}: round costs from {saved} ({found[arm].where()})")
                 continue
             started = time.monotonic()
             log(f"{arm}: measuring round costs at batch sizes {batch_sizes} ...")
@@ -187,7 +187,7 @@ def render(tunings: list[ArmTuning]) -> str:
         chain = "/".join(f"{x:.2f}" for x in t.chain)
         lines.append(
             f"{t.arm}: acceptance once drafted by position {chain} (from {t.acceptance_from}"
-            f"{drafts}); round costs on {t.costs.machine or 'this machine'}"
+            f"{drafts}); round costs on {t.costs.where()}"
         )
         ks = range(t.costs.max_k + 1)
         lines.append(

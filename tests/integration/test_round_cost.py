@@ -126,3 +126,5 @@ def test_round_costs_cover_every_batch_size_and_k(tmp_path):
     assert len(costs.bench_chain) == 2 and costs.bench_chain[0] > 0.1
     assert costs.bench_chain[1] <= costs.bench_chain[0]
     assert "CPUs" in costs.machine
+    # On the arm's one core, as its served worker computes (VLLM_CPU_OMP_THREADS_BIND: "0").
+    assert costs.cores == [0]

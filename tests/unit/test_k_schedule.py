@@ -357,3 +357,13 @@ def test_the_gate_scores_with_the_prompt_lookup_the_incumbent_serves_with(tmp_pa
     _check_lookup_in_force(0)
     with pytest.raises(RuntimeError, match="once per process"):
         _check_lookup_in_force(3)
+
+
+def test_round_costs_keep_the_cores_they_were_measured_on(tmp_path):
+    costs = RoundCosts("e", 1, {4: {0: 30.0, 1: 40.0}}, "AMD EPYC, 2 CPUs", cores=[1])
+    again = RoundCosts.load(costs.save(tmp_path / "e.json"))
+    assert again.cores == [1] and again.where() == "AMD EPYC, 2 CPUs, the engine on core 1"
+    # A file written before the cores were recorded says so instead of guessing.
+    older = costs.to_json()
+    del older["cores"]
+    assert RoundCosts.from_json(older).where() == "AMD EPYC, 2 CPUs, the engine on cores unrecorded"

@@ -21,6 +21,7 @@ and combines the costs with live acceptance from Prometheus (k_schedule.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +37,7 @@ from specserve.k_schedule import RoundCosts
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_REQUEST = 48  # enough decode steps per pass to outweigh the one prefill step
+CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def in_process_engine(
@@ -53,7 +55,33 @@ def in_process_engine(
         raise SystemExit(f"{arm_name}: no such arm in {config_path}")
     os.environ.update(engine_env(arm))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    bind_to_cores(os.environ.get(CORES_ENV, ""))
     return config.model, arm, engine_kwargs(arm, config.model)
+
+
+def bind_to_cores(cores: str) -> None:
+    """Run this process's OpenMP threads on `cores` (a `VLLM_CPU_OMP_THREADS_BIND` list, "0-1,3"),
+    as vLLM's multiprocess executor binds a served engine's worker. An in-process engine is not
+    bound by vLLM: left alone, torch would run the arm's matrix products on every core of the
+    machine, and its costs would be those of an engine twice the size on 2 cores. "", "auto"
+    and "nobind" leave the process as it is."""
+    if cores in ("", "auto", "nobind"):
+        return
+    if "|" in cores:
+        raise ValueError(f"{CORES_ENV}={cores!r} binds several ranks; one process measures one")
+    ids = sorted(
+        {
+            i
+            for part in cores.split(",")
+            for i in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
+        }
+    )
+    os.environ["OMP_NUM_THREADS"] = str(len(ids))
+    for thread in os.listdir("/proc/self/task"):  # threads started so far keep their own mask
+        with contextlib.suppress(ProcessLookupError):  # ended since listed
+            os.sched_setaffinity(int(thread), ids)
+    if "torch" in sys.modules:  # its OpenMP runtime has read OMP_NUM_THREADS already
+        sys.modules["torch"].set_num_threads(len(ids))
 
 
 def one_arm_parser(doc: str) -> argparse.ArgumentParser:
@@ -96,6 +124,7 @@ def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tok
     kwargs.update(disable_log_stats=False, max_num_seqs=batch_limit)
     kwargs.pop("per_request_spec_decode_metrics", None)
     llm = LLM(model=resolve_model_source(model.source), **kwargs)
+    cores = computing_cores()
     core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process
     scheduler = core.scheduler
     steps: dict[tuple[int, int], list[float]] = defaultdict(list)
@@ -147,7 +176,21 @@ def worker(arm_name: str, config_path: Path, sizes: list[int], repeats: int, tok
         },
         "steps_timed": {f"{b}/{k}": len(v) for (b, k), v in sorted(steps.items())},
         "bench_chain": acceptance,
+        "cores": cores,
     }
+
+
+def computing_cores() -> list[int]:
+    """The cores this process's engine computes on: its threads' mask, one OpenMP thread each."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if torch.get_num_threads() != len(cores):
+        raise RuntimeError(
+            f"the engine runs {torch.get_num_threads()} threads on cores {cores}: not bound "
+            f"as a served engine is ({CORES_ENV}={os.environ.get(CORES_ENV)!r})"
+        )
+    return cores
 
 
 def _acceptance_at(llm, run, batch: int, max_k: int) -> list[float]:
@@ -187,6 +230,7 @@ def measure(
             "machine": machine(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "bench_chain": result["bench_chain"],
+            "cores": result["cores"],
         }
     )
     return costs

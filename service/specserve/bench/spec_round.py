@@ -110,6 +110,9 @@ def worker(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process, where py-spy looks
         VLLM_CPU_KVCACHE_SPACE="2",  # 16 users of a 135M model need ~0.2 GiB
     )
+    from specserve.bench.round_cost import bind_to_cores
+
+    bind_to_cores(cores)
     from vllm import LLM
 
     from specserve.bench.serving import load_prompts

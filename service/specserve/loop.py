@@ -44,6 +44,7 @@ from specserve.ab.report import PROMOTE, ROLL_BACK, Options, build_report
 from specserve.config.schema import RouterConfig, parse_config
 from specserve.config.store import ConfigStore
 from specserve.drafter_checkpoint import misfit
+from specserve.hardware import CPU_BIND_ENV
 from specserve.models import ModelError, resolve_drafter_source
 
 PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABORTED = (
@@ -59,7 +60,6 @@ PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABOR
 
 
 # vLLM's CPU backend: the cores an engine's OpenMP threads are bound to.
-CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # The routing key the loop sets while its challenger serves.
 LEFT_OUT_KEY = "ab_left_out_prompts"
 # Seconds after adding the challenger from which its requests are counted: more than Ray's

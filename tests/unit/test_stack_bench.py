@@ -8,7 +8,6 @@ import yaml
 
 from specserve.bench.stack_overhead import (
     ARM,
-    CORE_ENV,
     SPECSERVE,
     VLLM,
     Stream,
@@ -19,6 +18,7 @@ from specserve.bench.stack_overhead import (
 )
 from specserve.bench.stack_profile import OTHER_PART, part_of, read_parts
 from specserve.config.schema import load_config
+from specserve.hardware import CPU_BIND_ENV
 
 
 @pytest.mark.parametrize("kind, arms", [("one-arm", 1), ("default", 4)])
@@ -27,7 +27,7 @@ def test_the_config_puts_no_spec_on_the_asked_core_and_stays_valid(tmp_path, kin
     write_config(kind, 1, path)
     config = load_config(path).config  # validates
     assert len(config.arms) == arms
-    assert config.arm(ARM).env[CORE_ENV] == "1"
+    assert config.arm(ARM).env[CPU_BIND_ENV] == "1"
     assert config.weights[ARM] > 0
 
 

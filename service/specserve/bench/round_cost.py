@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config.schema import ArmEngineConfig, ModelConfig
+from specserve.hardware import CPU_BIND_ENV
 from specserve.k_schedule import RoundCosts
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_REQUEST = 48  # enough decode steps per pass to outweigh the one prefill step
-CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def in_process_engine(
@@ -55,7 +55,7 @@ def in_process_engine(
         raise SystemExit(f"{arm_name}: no such arm in {config_path}")
     os.environ.update(engine_env(arm))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    bind_to_cores(os.environ.get(CORES_ENV, ""))
+    bind_to_cores(os.environ.get(CPU_BIND_ENV, ""))
     return config.model, arm, engine_kwargs(arm, config.model)
 
 
@@ -68,14 +68,10 @@ def bind_to_cores(cores: str) -> None:
     if cores in ("", "auto", "nobind"):
         return
     if "|" in cores:
-        raise ValueError(f"{CORES_ENV}={cores!r} binds several ranks; one process measures one")
-    ids = sorted(
-        {
-            i
-            for part in cores.split(",")
-            for i in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
-        }
-    )
+        raise ValueError(f"{CPU_BIND_ENV}={cores!r} binds several ranks; one process measures one")
+    from vllm.utils.cpu_resource_utils import parse_id_list  # as vLLM reads the variable
+
+    ids = parse_id_list(cores)
     os.environ["OMP_NUM_THREADS"] = str(len(ids))
     for thread in os.listdir("/proc/self/task"):  # threads started so far keep their own mask
         with contextlib.suppress(ProcessLookupError):  # ended since listed
@@ -188,7 +184,7 @@ def computing_cores() -> list[int]:
     if torch.get_num_threads() != len(cores):
         raise RuntimeError(
             f"the engine runs {torch.get_num_threads()} threads on cores {cores}: not bound "
-            f"as a served engine is ({CORES_ENV}={os.environ.get(CORES_ENV)!r})"
+            f"as a served engine is ({CPU_BIND_ENV}={os.environ.get(CPU_BIND_ENV)!r})"
         )
     return cores
 

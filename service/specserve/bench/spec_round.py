@@ -104,8 +104,10 @@ def worker(
 ) -> dict:
     """Load the engine, warm it up, then time and sample the generation (in this process)."""
     from specserve.drafter.data import GENERATION_ENV
+    from specserve.hardware import CPU_BIND_ENV
 
-    os.environ.update(GENERATION_ENV, VLLM_CPU_OMP_THREADS_BIND=cores)
+    os.environ.update(GENERATION_ENV)
+    os.environ[CPU_BIND_ENV] = cores
     os.environ.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process, where py-spy looks
         VLLM_CPU_KVCACHE_SPACE="2",  # 16 users of a 135M model need ~0.2 GiB
@@ -239,13 +241,14 @@ def plot(results: list[dict], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from specserve.drafter.data import GENERATION_ENV
+    from specserve.hardware import CPU_BIND_ENV
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", nargs="+", default=["no-spec", "eagle3.1:1", "eagle3.1:3"])
     parser.add_argument("--users", nargs="+", type=int, default=[1], help="in flight at once")
     parser.add_argument(
         "--cores",
-        default=GENERATION_ENV["VLLM_CPU_OMP_THREADS_BIND"],
+        default=GENERATION_ENV[CPU_BIND_ENV],
         help="the engine's VLLM_CPU_OMP_THREADS_BIND (default: %(default)s; the default serving "
         'config gives each engine one core, "0" or "1")',
     )

@@ -44,11 +44,10 @@ from tqdm import tqdm
 from specserve import headers
 from specserve.bench.router_overhead import percentile
 from specserve.config.settings import DEFAULT_CONFIG_PATH
-from specserve.hardware import cpu_flags, fast_dtype
+from specserve.hardware import CPU_BIND_ENV, cpu_flags, fast_dtype
 
 ARM = "no-spec"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-CORE_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 STREAM_TOKENS = 96
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and a storm."
 START_TIMEOUT_S = 900.0
@@ -77,7 +76,7 @@ def write_config(kind: str, core: int, path: Path) -> None:
         config["arms"] = [{**a, "weight": 100} for a in config["arms"] if a["name"] == ARM]
     for arm in config["arms"]:
         if arm["name"] == ARM:
-            arm["env"][CORE_ENV] = str(core)
+            arm["env"][CPU_BIND_ENV] = str(core)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -161,7 +160,7 @@ def start_vllm(model: str, model_path: str, core: int, port: int, workdir: Path)
         "--port",
         str(port),
     ]
-    process = _start(command, {**ENGINE_ENV, CORE_ENV: str(core)}, log)
+    process = _start(command, {**ENGINE_ENV, CPU_BIND_ENV: str(core)}, log)
     server = Server(VLLM, f"http://127.0.0.1:{port}", process)
     wait_ready(server, "/health", log)
     return server

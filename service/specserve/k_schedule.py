@@ -258,14 +258,21 @@ def fit(costs: RoundCosts) -> CostFit | None:
 
 
 def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
-    """The schedule: from the fitted costs where `fit` gives them (each batch size's best k,
-    a larger k only past PICK_MARGIN), else each measured batch size's best k over the sizes
-    nearer to it than to its measured neighbours (split at their geometric mean); the last range
-    ends at the largest measured size (vLLM carries its k on beyond), and neighbouring ranges
-    with the same k are merged."""
+    """The schedule (`derive_with_fit`'s)."""
+    return derive_with_fit(costs, chain)[0]
+
+
+def derive_with_fit(
+    costs: RoundCosts, chain: Sequence[float]
+) -> tuple[list[Range], CostFit | None]:
+    """The schedule and the fit it came from: from the fitted costs where `fit` gives them
+    (each batch size's best k, a larger k only past PICK_MARGIN), else (fit None) each measured
+    batch size's best k over the sizes nearer to it than to its measured neighbours (split at
+    their geometric mean); the last range ends at the largest measured size (vLLM carries its k
+    on beyond), and neighbouring ranges with the same k are merged."""
     fitted = fit(costs)
     if fitted is not None:
-        return _derive_from_fit(fitted, costs, chain)
+        return _derive_from_fit(fitted, costs, chain), fitted
     picked = choices(costs, chain)
     max_batch = max(costs.batch_sizes(), default=1)
     if not picked:
@@ -285,7 +292,7 @@ def derive(costs: RoundCosts, chain: Sequence[float]) -> list[Range]:
         else:
             ranges.append((first, last, choice.k))
         first = last + 1
-    return ranges
+    return ranges, None
 
 
 def _derive_from_fit(fitted: CostFit, costs: RoundCosts, chain: Sequence[float]) -> list[Range]:

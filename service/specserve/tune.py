@@ -50,6 +50,7 @@ class ArmTuning:
     drafts: float  # live drafts the chain rests on (0 for BENCH)
     before: list[list[int]] | None  # the schedule in force, None for a fixed k
     schedule: list[k_schedule.Range] = field(default_factory=list)
+    fitted: k_schedule.CostFit | None = None  # what the schedule came from; None: the cells
     choices: list[k_schedule.Choice] = field(default_factory=list)
 
 
@@ -138,7 +139,7 @@ def plan(
             name, arm_costs, chain, source, drafts, [list(r) for r in before] if before else None
         )
         tuning.choices = k_schedule.choices(arm_costs, chain)
-        tuning.schedule = k_schedule.derive(arm_costs, chain)
+        tuning.schedule, tuning.fitted = k_schedule.derive_with_fit(arm_costs, chain)
         tunings.append(tuning)
     return tunings
 
@@ -198,10 +199,9 @@ def render(tunings: list[ArmTuning]) -> str:
         for c in t.choices:
             cells = "  ".join(f"{c.tokens_per_s.get(k, float('nan')):11.1f}" for k in ks)
             lines.append(f"  {c.batch_size:>10}  {cells}  {c.k:>4}  {c.gain():.2f}x")
-        fitted = k_schedule.fit(t.costs)
         basis = (
-            f"the costs fitted, median error {fitted.median_error:.1%}"
-            if fitted is not None
+            f"the costs fitted, median error {t.fitted.median_error:.1%}"
+            if t.fitted is not None
             else "the measured costs"
         )
         lines.append(

@@ -25,9 +25,9 @@ arms:
 """
 
 # Drafts 2 tokens a step alone, none with two or more requests in a step. One engine, each batch
-# run twice: with vLLM's own `propose` ("keep") and with the plugin's (the arm setting
-# `skip_drafter_at_k0`, its environment variable as engine/arm.py sets it: "skip"). No prefix
-# caching, so that the second run of a batch does the same work as the first.
+# run twice: with vLLM's own `propose_draft_token_ids` ("keep") and with the plugin's (the arm
+# setting `skip_drafter_at_k0`, its environment variable as engine/arm.py sets it: "skip"). No
+# prefix caching, so that the second run of a batch does the same work as the first.
 SCHEDULED = textwrap.dedent(
     """
     import json, os
@@ -38,7 +38,6 @@ SCHEDULED = textwrap.dedent(
     if __name__ == "__main__":
         from vllm import LLM, SamplingParams
         from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from specserve.drafter.evaluate import spec_counters
         from specserve.models import PACKAGED_DRAFTERS_DIR, resolve_model_source
         passes = [0]  # the drafter's forward passes
@@ -62,8 +61,8 @@ SCHEDULED = textwrap.dedent(
                                       "model": str(PACKAGED_DRAFTERS_DIR / "eagle3.1"),
                                       "num_speculative_tokens_per_batch_size": [[1, 1, 2],
                                                                                 [2, 4, 0]]})
-        skip = SpecDecodeBaseProposer.propose  # the plugin's, loaded with the engine
-        assert getattr(skip, "skips_drafter_at_k0", False), "the plugin did not wrap propose"
+        skip = GPUModelRunner.propose_draft_token_ids  # the plugin's, loaded with the engine
+        assert getattr(skip, "skips_drafter_at_k0", False), "the plugin did not wrap it"
         proposers = {"keep": skip.__wrapped__, "skip": skip}
         chat = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(4)]
         same = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
@@ -73,7 +72,7 @@ SCHEDULED = textwrap.dedent(
         phases = {"keep": [], "skip": []}
         for batch, params in ((chat[:1], same), (chat, same), (chat, staggered)):
             for mode, propose in proposers.items():
-                SpecDecodeBaseProposer.propose = propose
+                GPUModelRunner.propose_draft_token_ids = propose
                 before, passes[0], fetches[0] = spec_counters(llm), 0, 0
                 outputs = llm.chat(batch, params, use_tqdm=False)
                 after = spec_counters(llm)

@@ -68,27 +68,6 @@ def test_top_k_on_a_step_with_no_drafted_tokens_leaves_the_empty_batch_as_it_is(
     assert torch.isinf(masked).tolist() == [[True, False, True, False]]  # rows still masked
 
 
-def test_a_step_at_k0_returns_no_drafts_without_the_drafters_pass():
-    from types import SimpleNamespace
-
-    calls = []
-
-    def propose(self, num_speculative_tokens, **kwargs):
-        calls.append(num_speculative_tokens)
-        return "drafts"
-
-    wrapped = vllm_fixes.skip_drafter_at_k0(propose)
-    proposer = SimpleNamespace(
-        device=torch.device("cpu"), num_speculative_tokens=3, _last_draft_probs=object()
-    )
-    step = SimpleNamespace(batch_size=lambda: 5)
-    out = wrapped(proposer, num_speculative_tokens=0, common_attn_metadata=step)
-    assert out.shape == (5, 0) and out.dtype == torch.int64 and calls == []  # as vLLM returns
-    assert proposer.num_speculative_tokens == 0 and proposer._last_draft_probs is None
-    assert wrapped(proposer, num_speculative_tokens=2, common_attn_metadata=step) == "drafts"
-    assert calls == [2]
-
-
 def test_a_step_without_drafts_samples_plainly_and_one_with_drafts_is_verified():
     from types import SimpleNamespace
 
@@ -107,36 +86,43 @@ def test_a_step_without_drafts_samples_plainly_and_one_with_drafts_is_verified()
     assert seen == [None, drafts, None]  # only a step with drafts reaches the rejection sampler
 
 
-def test_a_step_at_k0_prepares_no_drafter_inputs_when_the_drafters_pass_is_skipped():
+def test_a_step_at_k0_returns_no_drafts_without_the_drafters_inputs_or_pass():
     from types import SimpleNamespace
 
     calls = []
 
     def propose_draft_token_ids(self, scheduler_output, *args):
-        calls.append(scheduler_output.num_spec_tokens_to_schedule)
+        calls.append(scheduler_output.num_spec_tokens_to_schedule)  # inputs, then the pass
         return "drafts"
 
-    wrapped = vllm_fixes.skip_draft_inputs_at_k0(propose_draft_token_ids)
+    wrapped = vllm_fixes.skip_drafter_at_k0(propose_draft_token_ids)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=3),
+        device=torch.device("cpu"),
+        _draft_probs=object(),
+        _draft_prob_req_ids=["a"],
+    )
+    out = wrapped(runner, SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert out.shape == (3, 0) and out.dtype == torch.int64 and calls == []  # as vLLM returns
+    assert runner._draft_probs is None and runner._draft_prob_req_ids is None
+    assert wrapped(runner, SimpleNamespace(num_spec_tokens_to_schedule=2)) == "drafts"
+    assert calls == [2]
 
-    def runner(drafter_propose):
-        drafter = type("Drafter", (), {"propose": drafter_propose})()
-        return SimpleNamespace(
-            drafter=drafter,
-            input_batch=SimpleNamespace(num_reqs=3),
-            device=torch.device("cpu"),
-            _draft_probs=object(),
-            _draft_prob_req_ids=["a"],
-        )
 
-    skipping = runner(vllm_fixes.skip_drafter_at_k0(lambda self, k, **kw: None))
-    out = wrapped(skipping, SimpleNamespace(num_spec_tokens_to_schedule=0))
-    assert out.shape == (3, 0) and out.dtype == torch.int64 and calls == []
-    assert skipping._draft_probs is None and skipping._draft_prob_req_ids is None
-    assert wrapped(skipping, SimpleNamespace(num_spec_tokens_to_schedule=2)) == "drafts"
-    # vLLM's own drafter pass at k = 0 (the arm keeps it): its inputs are prepared for it.
-    keeping = runner(lambda self, k, **kw: None)
-    assert wrapped(keeping, SimpleNamespace(num_spec_tokens_to_schedule=0)) == "drafts"
-    assert calls == [2, 0]
+def test_the_drafter_is_skipped_at_k0_only_where_the_arm_asks(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vllms = GPUModelRunner.propose_draft_token_ids
+    vllms = getattr(vllms, "__wrapped__", vllms)
+    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", vllms)
+    monkeypatch.delenv(vllm_fixes.SKIP_DRAFTER_AT_K0_ENV, raising=False)
+    vllm_fixes.register()  # vLLM's plugin entry point, as each engine process runs it
+    assert GPUModelRunner.propose_draft_token_ids is vllms
+    monkeypatch.setenv(vllm_fixes.SKIP_DRAFTER_AT_K0_ENV, "1")
+    vllm_fixes.register()
+    vllm_fixes.register()  # wrapped once, however often it runs
+    assert GPUModelRunner.propose_draft_token_ids.skips_drafter_at_k0
+    assert GPUModelRunner.propose_draft_token_ids.__wrapped__ is vllms
 
 
 def test_a_step_scheduled_at_k0_is_not_followed_by_a_fetch_of_drafts():

@@ -5,11 +5,11 @@
 One in-process engine of the arm (its engine settings, environment and schedule) serves the
 same held-out chat prompts, `--in-flight` at a time, each with its own answer length (48 to 191
 tokens, so that requests finish one by one and the engine drafts again once fewer are left than
-the schedule's k = 0 range starts at). Passes alternate between vLLM's behaviour (the drafter
-runs over every step's tokens at k = 0) and `skip_drafter_at_k0` (engine/vllm_fixes.py), in
-rotating order, so the machine's drift spreads over both. Per setting: generated tokens/s, the
-median engine step (prefills included), and the share of draft tokens accepted in the steps that
-drafted.
+the schedule's k = 0 range starts at). Passes alternate between vLLM's behaviour (the drafter's
+inputs are prepared and it runs over every step's tokens at k = 0) and `skip_drafter_at_k0`
+(engine/vllm_fixes.py: neither), in rotating order, so the machine's drift spreads over both.
+Per setting: generated tokens/s, the median engine step (prefills included), and the share of
+draft tokens accepted in the steps that drafted.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
     if arm.speculative.method != "eagle3":
         raise SystemExit(f"{arm_name}: not an EAGLE arm of {config_path}")
     from vllm import LLM, SamplingParams
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from specserve.bench.serving import load_prompts
     from specserve.drafter.evaluate import spec_counters
@@ -40,7 +40,8 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
 
     kwargs.update(max_num_seqs=in_flight, disable_log_stats=False)
     llm = LLM(model=resolve_model_source(model.source), **kwargs)
-    propose = getattr(SpecDecodeBaseProposer.propose, "__wrapped__", SpecDecodeBaseProposer.propose)
+    runner_propose = GPUModelRunner.propose_draft_token_ids  # the plugin's, where the arm skips
+    propose = getattr(runner_propose, "__wrapped__", runner_propose)
     proposers = {"keep": propose, "skip": vllm_fixes.skip_drafter_at_k0(propose)}
 
     core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process
@@ -61,7 +62,7 @@ def run(arm_name: str, config_path: Path, prompts: int, in_flight: int, passes: 
     found: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for n in range(passes):
         for name in SETTINGS[n % 2 :] + SETTINGS[: n % 2]:
-            SpecDecodeBaseProposer.propose = proposers[name]  # type: ignore[method-assign]
+            GPUModelRunner.propose_draft_token_ids = proposers[name]  # type: ignore[method-assign]
             before, decode_steps[:] = spec_counters(llm), []
             start = time.perf_counter()
             outputs = llm.chat(chats, params, use_tqdm=False)

@@ -1,6 +1,6 @@
-"""Where a speculative engine's step goes, with vLLM's sampling, drafter-input and draft-argmax
-steps and with specserve's (engine/vllm_fixes.py: `plain_sample_without_drafts`,
-`skip_draft_inputs_at_k0`; the arm's `speculative.use_local_argmax_reduction`).
+"""Where a speculative engine's step goes, with vLLM's sampling, drafting and draft-argmax steps
+and with specserve's (engine/vllm_fixes.py: `plain_sample_without_drafts`, `skip_drafter_at_k0`
+where the arm skips; the arm's `speculative.use_local_argmax_reduction`).
 
     python -m specserve.bench.step_parts --config docs/bench/k0-cost.yaml --arm eagle3.1-k0
     python -m specserve.bench.step_parts --config docs/bench/every-load-lookup.yaml \

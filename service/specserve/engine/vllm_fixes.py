@@ -22,22 +22,23 @@ returns an empty batch as it is (`skip_empty_top_k_top_p`).
 
 A step at k = 0 on CPU, when the arm asks for it (`speculative.skip_drafter_at_k0`, passed in
 the engine's environment as SPECSERVE_SKIP_DRAFTER_AT_K0): with dynamic speculative decoding
-vLLM still runs the drafter over every step's tokens at k = 0, only to keep the drafter's KV
-cache without gaps for when drafting resumes. At 16 requests in flight on one core that pass is
-~6 % of the step, the main part of what a step at k = 0 costs over one without speculation.
-`skip_drafter_at_k0` returns no drafts without running it; the drafter's cache then misses those
-tokens, and the steps that draft again accept a little less (docs/config.md). Verification is
-unchanged: the output is what the target would have produced.
+vLLM still prepares the drafter's inputs (the target's hidden states gathered and concatenated,
+the next tokens, the attention metadata) and runs the drafter over every step's tokens at k = 0,
+only to keep the drafter's KV cache without gaps for when drafting resumes. At 16 requests in
+flight on one core that pass is ~6 % of the step, the main part of what a step at k = 0 costs
+over one without speculation. `skip_drafter_at_k0` returns no drafts at such a step without
+either; the drafter's cache then misses those tokens, and the steps that draft again accept a
+little less (docs/config.md). Verification is unchanged: the output is what the target would
+have produced.
 
 A step without drafts on a speculative CPU engine (`plain_sample_without_drafts`): vLLM builds
 spec-decode metadata for every step of a speculative engine, with or without drafts, and samples
 through its rejection sampler, whose bonus-token call copies the whole vocabulary's logits as
 float32. At a step where no request has drafts (every step at k = 0, every prefill) there is
 nothing to verify: such a step samples with the plain sampler, as an engine without speculation
-does (one token per request; same greedy output, same distribution). With it, the drafter's
-inputs are not prepared at a step at k = 0 whose drafter pass is skipped
-(`skip_draft_inputs_at_k0`). At 16 requests on one core the two took sampling and drafting from
-1.76 to 0.82 ms of a ~45 ms step (bench/step_parts.py, docs/bench/serving-speed.md).
+does (one token per request; same greedy output, same distribution). At 16 requests on one
+core, with the drafter's inputs left out at k = 0, the two took sampling and drafting from 1.76
+to 0.82 ms of a ~45 ms step (bench/step_parts.py, docs/bench/serving-speed.md).
 
 No draft fetch after a step at k = 0 on CPU: without async scheduling (off on CPU), the engine
 core asks the worker for the next drafts after every step, one more round trip between the two
@@ -130,23 +131,6 @@ def skip_empty_top_k_top_p(apply_top_k_top_p):
     return wrapper
 
 
-def skip_drafter_at_k0(propose):
-    """Wrap vLLM's drafter `propose` so a step at k = 0 returns no drafts without the drafter's
-    forward pass (what vLLM returns after running it: an empty (batch, 0) tensor)."""
-
-    @functools.wraps(propose)
-    def wrapper(self, num_speculative_tokens, *args, **kwargs):
-        if num_speculative_tokens != 0:
-            return propose(self, num_speculative_tokens, *args, **kwargs)
-        self.num_speculative_tokens = 0
-        self._last_draft_probs = None
-        batch_size = kwargs["common_attn_metadata"].batch_size()
-        return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
-
-    wrapper.skips_drafter_at_k0 = True  # type: ignore[attr-defined]
-    return wrapper
-
-
 def plain_sample_without_drafts(sample):
     """Wrap the model runner's `_sample` so a step where no request has drafts samples with the
     plain sampler (what an engine without speculation runs) instead of the rejection sampler."""
@@ -161,22 +145,20 @@ def plain_sample_without_drafts(sample):
     return wrapper
 
 
-def skip_draft_inputs_at_k0(propose_draft_token_ids):
-    """Wrap the model runner's `propose_draft_token_ids` so a step at k = 0 whose drafter pass
-    is skipped (`skip_drafter_at_k0`) does not prepare the drafter's inputs either (the target's
-    hidden states gathered and concatenated, the next tokens and the attention metadata)."""
+def skip_drafter_at_k0(propose_draft_token_ids):
+    """Wrap the model runner's `propose_draft_token_ids` so a step at k = 0 returns no drafts
+    (what vLLM returns then: an empty (requests, 0) tensor) without preparing the drafter's
+    inputs or running its pass."""
 
     @functools.wraps(propose_draft_token_ids)
     def wrapper(self, scheduler_output, *args, **kwargs):
-        if scheduler_output.num_spec_tokens_to_schedule == 0 and getattr(
-            type(self.drafter).propose, "skips_drafter_at_k0", False
-        ):
-            self._draft_probs = None
-            self._draft_prob_req_ids = None
-            return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
-        return propose_draft_token_ids(self, scheduler_output, *args, **kwargs)
+        if scheduler_output.num_spec_tokens_to_schedule != 0:
+            return propose_draft_token_ids(self, scheduler_output, *args, **kwargs)
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        return torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device)
 
-    wrapper.skips_draft_inputs_at_k0 = True  # type: ignore[attr-defined]
+    wrapper.skips_drafter_at_k0 = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -275,18 +257,11 @@ def register() -> None:
                 GPUModelRunner._sample
             )
 
-        if os.environ.get(SKIP_DRAFTER_AT_K0_ENV) == "1":
-            from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
-            if not getattr(SpecDecodeBaseProposer.propose, "skips_drafter_at_k0", False):
-                SpecDecodeBaseProposer.propose = skip_drafter_at_k0(  # type: ignore[method-assign]
-                    SpecDecodeBaseProposer.propose
-                )
-            propose_inputs = GPUModelRunner.propose_draft_token_ids
-            if not getattr(propose_inputs, "skips_draft_inputs_at_k0", False):
-                GPUModelRunner.propose_draft_token_ids = skip_draft_inputs_at_k0(  # type: ignore[method-assign]
-                    propose_inputs
-                )
+        propose = GPUModelRunner.propose_draft_token_ids
+        if os.environ.get(SKIP_DRAFTER_AT_K0_ENV) == "1" and not getattr(
+            propose, "skips_drafter_at_k0", False
+        ):
+            GPUModelRunner.propose_draft_token_ids = skip_drafter_at_k0(propose)  # type: ignore[method-assign]
         if os.environ.get(FETCH_DRAFTS_AT_K0_ENV) != "1":
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.engine.core import EngineCore

@@ -59,7 +59,6 @@ PROMOTED, ROLLED_BACK, DRAINED, FAILING, MISMATCH, TIMED_OUT, NO_CANDIDATE, ABOR
 )
 
 
-# vLLM's CPU backend: the cores an engine's OpenMP threads are bound to.
 # The routing key the loop sets while its challenger serves.
 LEFT_OUT_KEY = "ab_left_out_prompts"
 # Seconds after adding the challenger from which its requests are counted: more than Ray's

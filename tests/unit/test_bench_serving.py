@@ -30,6 +30,31 @@ def test_speedup_is_the_ratio_of_means_and_its_interval_covers_it():
     assert low > 1.0 and high < 1.4
 
 
+def test_rounds_that_ran_apart_widen_the_interval_to_cover_them():
+    """Two rounds, the arm 1.2x in one and 0.8x in the other: over prompts alone the interval
+    is tight around 1.0 as if 64 prompts had each been drawn anew; over rounds it spans both."""
+    rng = np.random.default_rng(2)
+    base = list(rng.normal(20, 1, 64))
+    shift = np.repeat([1.2, 0.8], 32) * rng.normal(1.0, 0.02, 64)
+    arm = list(np.array(base) * shift)
+    _, low, high = speedup_ci(arm, base)
+    assert low > 0.95 and high < 1.05
+    ratio, low, high = speedup_ci(arm, base, [32, 32])
+    assert low < 0.85 and high > 1.15 and low < ratio < high
+    # Rounds that agree leave the interval as narrow as the prompts make it.
+    steady = list(np.array(base) * rng.normal(1.1, 0.02, 64))
+    _, low, high = speedup_ci(steady, base, [16, 16, 16, 16])
+    assert 1.08 < low < high < 1.12
+
+
+def test_a_failed_prompt_leaves_its_round_in_the_interval():
+    base = [10.0] * 6
+    arm = [12.0, math.nan, 12.0, 8.0, 8.0, 8.0]
+    ratio, low, high = speedup_ci(arm, base, [3, 3])
+    assert math.isclose(ratio, 48.0 / 50.0)  # the failed prompt out of both arms' means
+    assert math.isclose(low, 0.8) and math.isclose(high, 1.2)  # either round alone, at worst
+
+
 def test_a_failed_request_drops_that_prompt_from_both_arms():
     ratio, _, _ = speedup_ci([2.0, math.nan, 4.0], [1.0, 100.0, 2.0])
     assert math.isclose(ratio, 2.0)

@@ -6,7 +6,8 @@ the override header, in a rotating order) serves the same prompts through
 every ratio compares arms on the same prompts under the same machine state. Warm-up requests are
 excluded. Acceptance comes from specserve's per-arm counters on the metrics endpoint, read at
 each level's start and end. Speedup is the ratio of mean per-user output tokens/s against the
-baseline arm, with a bootstrap confidence interval over prompts (paired: the same prompts).
+baseline arm, with a paired bootstrap confidence interval over rounds, then the prompts within
+them: a round's requests share its start and the machine's state, so they vary together.
 With `--together` the arms serve each round at the same time instead, as under a live split,
 so the engines that share a core compete for it, each with the same load throughout
 (bench/together.py).
@@ -288,17 +289,30 @@ def measure_level(args, model, arms, chats, concurrency) -> dict[str, Cell]:
     return cells
 
 
-def speedup_ci(arm: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """Ratio of mean per-user tokens/s, arm over baseline, and its paired bootstrap CI over
-    prompts (prompts either arm lacks are left out)."""
+def speedup_ci(
+    arm: list[float], base: list[float], round_sizes: list[int] | None = None, seed: int = 0
+) -> tuple[float, float, float]:
+    """Ratio of mean per-user tokens/s, arm over baseline, and its paired bootstrap CI (prompts
+    either arm lacks are left out): over rounds, then prompts within them, where the figures
+    come in rounds of `round_sizes` prompts (bootstrap.py), else over prompts."""
     pairs = _pairs(arm, base)
-    return paired_interval(lambda s: s[..., 0].mean(-1) / s[..., 1].mean(-1), pairs, seed=seed)
+    rounds = None
+    if round_sizes is not None and sum(round_sizes) == len(arm):
+        labels = np.repeat(np.arange(len(round_sizes)), round_sizes)
+        rounds = labels[_kept(arm, base)]
+    return paired_interval(
+        lambda s: s[..., 0].mean(-1) / s[..., 1].mean(-1), pairs, groups=rounds, seed=seed
+    )
 
 
 def _pairs(arm: list[float], base: list[float]) -> np.ndarray:
     """(prompts, 2) of the two arms' figures, prompts either arm lacks (NaN) left out."""
-    pairs = np.array([arm, base], dtype=float).T.reshape(-1, 2)
-    return pairs[~np.isnan(pairs).any(axis=1)]
+    return np.array([arm, base], dtype=float).T.reshape(-1, 2)[_kept(arm, base)]
+
+
+def _kept(arm: list[float], base: list[float]) -> np.ndarray:
+    """Which prompts both arms have figures for."""
+    return ~np.isnan(np.array([arm, base], dtype=float).T.reshape(-1, 2)).any(axis=1)
 
 
 def speedup_by_round(arm: Cell, base: Cell) -> list[float]:
@@ -319,9 +333,12 @@ def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[st
         for cell in cells.values():
             row = cell.summary()
             if base is not None:
-                ratio, low, high = speedup_ci(cell.tokens_per_s, base.tokens_per_s)
+                same_rounds = cell.round_sizes == base.round_sizes
+                ratio, low, high = speedup_ci(
+                    cell.tokens_per_s, base.tokens_per_s, base.round_sizes if same_rounds else None
+                )
                 row |= {"speedup": ratio, "speedup_low": low, "speedup_high": high}
-                if cell.round_sizes == base.round_sizes:
+                if same_rounds:
                     row["speedup_rounds"] = speedup_by_round(cell, base)
             rows.append(row)
     return rows
@@ -329,8 +346,8 @@ def summarize(levels: dict[int, dict[str, Cell]], baseline: str) -> list[dict[st
 
 def markdown(rows: list[dict[str, Any]], baseline: str) -> str:
     lines = [
-        f"| arm | users | tok/s per user (mean / p50) | speedup vs {baseline} (95% CI) "
-        "| rounds' speedups (lowest-highest) "
+        f"| arm | users | tok/s per user (mean / p50) "
+        f"| speedup vs {baseline} (95% CI over rounds) | rounds' speedups (lowest-highest) "
         "| TTFT p50 | TPOT p50 | latency p50 | acceptance length | k in force | failed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

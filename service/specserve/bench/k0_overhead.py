@@ -17,7 +17,8 @@ part is the mean of the paired differences, half of them measured each way round
 
 Per engine: generated tokens/s and the milliseconds per engine step of each timed part (the
 engine core's step, the scheduler's, and the model runner's parts, outermost first; medians
-over the passes), then the order-balanced difference, arm minus baseline.
+over the passes), then the order-balanced difference, arm minus baseline, and for how many
+prompts the two engines gave the same greedy answer.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def run(
         llm.chat(chats, params, use_tqdm=False)  # warm-up
     names = list(engines)
     found: dict[str, list[dict]] = {name: [] for name in names}
+    answers: dict[str, list[list[int]]] = {}  # each engine's first pass, greedy
     for n in range(passes):
         for name in names[n % 2 :] + names[: n % 2]:
             spent.clear()
@@ -125,12 +127,15 @@ def run(
             seconds = time.perf_counter() - start
             steps = max(1, calls["step"])
             generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            answers.setdefault(name, [list(o.outputs[0].token_ids) for o in outputs])
             found[name].append(
                 {"tokens_per_s": generated / seconds}
                 | {part: 1000 * spent[part] / steps for _, part in PARTS}
             )
             print(f"pass {n + 1}, {name}: {json.dumps(found[name][-1])}", file=sys.stderr)
+    same = sum(a == b for a, b in zip(answers[arm_name], answers[baseline], strict=True))
     return {
+        "same_answers": [same, len(chats)],
         "medians": pass_medians(found),
         "difference": balanced_differences(found[arm_name], found[baseline]),
         "passes": found,
@@ -164,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.arm} at k = 0 / {args.baseline}: "
         f"{1 + difference['tokens_per_s'] / base['tokens_per_s']:.4f}x tokens/s, "
-        f"{difference['step']:+.3f} ms per step ({difference['step'] / base['step']:+.2%})"
+        f"{difference['step']:+.3f} ms per step ({difference['step'] / base['step']:+.2%}); "
+        "the same greedy answer for {} of {} prompts".format(*result["same_answers"])
     )
     return 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.bench.round_cost import in_process_engine, one_arm_parser, pass_medians
+from specserve.bench.step_parts import timed
 
 # Timed parts: (where, method). The model runner's are named as in bench/step_parts.py.
 PARTS = (
@@ -73,18 +74,8 @@ def _instrument(spent: dict[str, float], calls: dict[str, int]) -> None:
 
     owners = {"EngineCore": EngineCore, "Scheduler": Scheduler, "GPUModelRunner": GPUModelRunner}
     for owner, name in PARTS:
-        cls = owners[owner]
-        current = getattr(cls, name)
-
-        def timed(self, *args, _name=name, _current=current, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _current(self, *args, **kwargs)
-            finally:
-                spent[_name] += time.perf_counter() - start
-                calls[_name] += 1
-
-        setattr(cls, name, functools.wraps(current)(timed))
+        current = getattr(owners[owner], name)
+        setattr(owners[owner], name, functools.wraps(current)(timed(current, name, spent, calls)))
 
 
 def run(

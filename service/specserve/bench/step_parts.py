@@ -41,6 +41,21 @@ PARTS = (
 SWITCHED = ("_sample", "propose_draft_token_ids")
 
 
+def timed(method, name: str, spent: dict[str, float], calls: dict[str, int]):
+    """`method` (of a class, like `current`) adding its seconds to `spent[name]` and its calls to
+    `calls[name]`."""
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+            calls[name] += 1
+
+    return wrapper
+
+
 def _instrument(
     runner_cls, setting: dict[str, str], spent: dict[str, float], calls: dict[str, int]
 ) -> None:
@@ -53,15 +68,10 @@ def _instrument(
         else:
             chosen = {s: current for s in SETTINGS}
 
-        def timed(self, *args, _name=name, _chosen=chosen, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _chosen[setting["now"]](self, *args, **kwargs)
-            finally:
-                spent[_name] += time.perf_counter() - start
-                calls[_name] += 1
+        def by_setting(self, *args, _chosen=chosen, **kwargs):
+            return _chosen[setting["now"]](self, *args, **kwargs)
 
-        setattr(runner_cls, name, functools.wraps(current)(timed))
+        setattr(runner_cls, name, functools.wraps(current)(timed(by_setting, name, spent, calls)))
 
 
 def run(arm_name: str, config_path: Path, in_flight: int, tokens: int, passes: int) -> dict:

@@ -386,6 +386,11 @@ evicts the pod rather than let captured traffic fill the node's disk. */}}
 # take longer to answer, and a replica killed there is an engine to load again.
 - name: RAY_SERVE_SLOW_STARTUP_WARNING_S
   value: "120"
+# kubelet's SIGTERM follows the preStop drain (drain-node), so Ray's own drain on SIGTERM (30 s
+# by default) has nothing left to do but wait: on the head, whose raylet never idles (the Serve
+# controller), all 30 s, past the drain.stopSeconds Ray has to stop in.
+- name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+  value: "0"
 {{- if and .Values.modelCache.enabled $engines }}
 - name: HF_HOME
   value: {{ include "specserve.hfHome" . }}

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,7 +14,6 @@ from typing import TYPE_CHECKING
 from specserve.config.changes import diff_configs
 from specserve.config.checks import check_engine_settings
 from specserve.config.schema import (
-    MAX_LEFT_OUT_PROMPTS,
     ArmConfig,
     ConfigError,
     NoSpeculation,
@@ -24,7 +21,6 @@ from specserve.config.schema import (
     load_config,
     parse_config,
     read_config_file,
-    revision_of,
 )
 from specserve.config.store import DEFAULT_KEEP, ConfigStore, StoreError
 from specserve.models import ModelError
@@ -252,52 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[cluster_args, adapt_args],
         help="adapt a drafter, prove it as a challenger arm on live traffic, promote or remove it",
     )
-    loop_p.add_argument("--incumbent", help="the EAGLE arm to improve (required for a loop)")
-    loop_p.add_argument(
-        "--prometheus", help="a Prometheus scraping specserve (required for a loop)"
-    )
-    loop_p.add_argument("--candidate", type=Path, help="skip adapt: this exported drafter")
-    loop_p.add_argument(
-        "--share",
-        type=float,
-        default=0.5,
-        help="challenger's share of the incumbent's weight, taken from it (0.5: the same load)",
-    )
-    loop_p.add_argument(
-        "--challenger-cpus",
-        metavar="CORES",
-        help="CPU cores for the challenger's engine (its VLLM_CPU_OMP_THREADS_BIND, e.g. 2-3); "
-        "default: the incumbent's, where the two slow each other alike. Cores of its own are "
-        "fair only if nothing else runs on either engine's cores",
-    )
-    loop_p.add_argument("--poll-s", type=float, default=30.0)
-    loop_p.add_argument("--max-wait-s", type=float, default=3600.0, help="for a verdict")
-    loop_p.add_argument("--min-requests", type=int, default=30, help="per arm, for a verdict")
-    loop_p.add_argument("--json", type=Path, help="write the loop's report here")
-    loop_p.add_argument(
-        "--max-error-share",
-        type=float,
-        default=0.05,
-        help="the challenger goes once more of its requests than this fail (5xx)",
-    )
-    loop_p.add_argument(
-        "--max-key-loss",
-        type=float,
-        default=0.1,
-        help="no promotion while one key's requests are slower on the challenger by more than "
-        "this share (0.1)",
-    )
-    ends = loop_p.add_mutually_exclusive_group()
-    ends.add_argument(
-        "--abort",
-        action="store_true",
-        help="stop the loop running on --work-dir (or take out the challenger of one that died)",
-    )
-    ends.add_argument(
-        "--undo",
-        action="store_true",
-        help="roll the config back to the revision from before the last loop on --work-dir",
-    )
+    from specserve import loop_commands
+
+    loop_commands.add_arguments(loop_p)
 
     tune_p = sub.add_parser(
         "tune",
@@ -318,10 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.ab import report
-    from specserve.bench import serving
-    from specserve.capture import commands as capture_commands
-
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -357,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(document, sort_keys=False), end="")
             return 0
         if args.command == "config" and args.config_command in ("apply", "history", "rollback"):
-            return _config_command(args)
+            return config_command(args)
         if args.command == "drain-node":
             from specserve.node_drain import drain_node
 
@@ -379,15 +328,25 @@ def main(argv: list[str] | None = None) -> int:
             path = _config_path(args.config)
             print(prepare_model(load_config(path).config.model.source, force=args.force))
             return 0
+        # Each command imports what it needs: `drain-node`, a pod's preStop, starts on a busy
+        # node and should not import the benchmarks.
         if args.command == "bench":
+            from specserve.bench import serving
+
             return serving.run(args)
         if args.command == "ab":
+            from specserve.ab import report
+
             return report.run(args)
         if args.command == "loop":
-            return _loop(args)
+            from specserve import loop_commands
+
+            return loop_commands.run(args)
         if args.command == "tune":
             return _tune(args)
         if args.command == "capture":
+            from specserve.capture import commands as capture_commands
+
             return capture_commands.run(args)
         if args.command == "drafter":
             return _drafter(args)
@@ -398,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _store(args: argparse.Namespace, check: str | None = None) -> ConfigStore:
+def open_store(args: argparse.Namespace, check: str | None = None) -> ConfigStore:
     """The live config's store: the local file (`--local`) or a release on Kubernetes. With
     `check`, every config applied through it is checked with vLLM's own argument parser first,
     and named so in an error."""
@@ -441,12 +400,12 @@ def _validated(path: Path) -> tuple[str, RouterConfig]:
         raise ConfigError(f"{path}: not UTF-8 text, which a ConfigMap needs") from None
 
 
-def _config_command(args: argparse.Namespace) -> int:
+def config_command(args: argparse.Namespace) -> int:
     """`config apply | history | rollback`, on the local file (`--local`) or a release."""
     if args.config_command == "apply":
         # Validated before anything talks to the store: a bad file never gets there.
         text, config = _validated(args.file)
-    store = _store(args)
+    store = open_store(args)
     if args.config_command == "history":
         print("\n".join(store.history()))
         return 0
@@ -467,235 +426,6 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _loop_work_dir(args: argparse.Namespace) -> Path:
-    from specserve.config.settings import get_settings
-
-    return args.work_dir or get_settings().cache_dir / "adapt"
-
-
-def _loop(args: argparse.Namespace) -> int:
-    """`specserve loop` against the local config file (`--local`) or a release; `--abort` and
-    `--undo` act on the loop recorded in the work directory."""
-    from specserve import loop
-
-    record = loop.RunRecord(_loop_work_dir(args))
-    if args.abort:
-        return _loop_abort(args, record)
-    if args.undo:
-        return _loop_undo(args, record)
-    missing = [f"--{name}" for name in ("incumbent", "prometheus") if not getattr(args, name)]
-    if missing:
-        print(f"error: a loop needs {' and '.join(missing)}", file=sys.stderr)
-        return 2
-    store = _store(args, check="the loop's revision")
-    try:
-        stale = record.claim(args.incumbent, revision_of(store.live_text().encode()))
-        if stale is not None:
-            loop.remove_left_behind(stale, store)
-    except loop.LoopError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    outcome = loop.ABORTED
-    try:
-        code, outcome = _run_loop(args, store, record)
-        return code
-    finally:
-        record.finish(outcome)
-
-
-def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN001
-    """The loop's steps (loop.py's docstring); -> (exit code, outcome)."""
-    import yaml
-
-    from specserve import loop
-    from specserve.ab.prometheus import Prometheus
-    from specserve.config.schema import Eagle3Speculation
-
-    config = loop.LoopConfig(
-        incumbent=args.incumbent,
-        share=args.share,
-        poll_s=args.poll_s,
-        max_wait_s=args.max_wait_s,
-        min_requests=args.min_requests,
-        max_error_share=args.max_error_share,
-        max_key_loss=args.max_key_loss,
-        challenger_cpus=args.challenger_cpus,
-    )
-    candidate, adapting, adapted = args.candidate, None, None
-    if candidate is None:
-        from specserve.drafter.adapt import adapt
-        from specserve.models import prepare_model
-
-        live = parse_config(store.live_text().encode(), source="the live config")
-        incumbent = next((a for a in live.arms if a.name == args.incumbent), None)
-        if incumbent is None or not isinstance(incumbent.speculative, Eagle3Speculation):
-            print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
-            return 2, loop.ABORTED
-        base = args.base or incumbent.speculative.model
-        adapting = adapt_config(args, base, prepare_model(live.model.source))
-        if args.k is None:  # the gate scores at the k the incumbent serves at
-            adapting = serving_k(adapting, incumbent)
-        # ... and with the prompt lookup it serves with, which the winner will serve with too.
-        adapting = serving_lookup(adapting, incumbent)
-        lookup = adapting.prompt_lookup_first
-        print(
-            f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})"
-            + (
-                f", a prompt lookup of {lookup}+ tokens first (as {incumbent.name})"
-                if lookup
-                else ""
-            )
-        )
-        try:
-            adapted = adapt(adapting)
-        except (SystemExit, Exception) as exc:  # adapt's refusal, or its run failing
-            reason = f"adapt: {adapt_failure(exc)}"
-            print(f"error: {reason}; nothing deployed", file=sys.stderr)
-            return _ended_before_ab(args, 2, loop.ABORTED, reason)
-        if not adapted["accepted"]:
-            reason = adapted["verdict"]["reason"]
-            print(f"{loop.NO_CANDIDATE}: {reason}; nothing deployed")
-            return _ended_before_ab(args, 3, loop.NO_CANDIDATE, reason)
-        candidate = Path(adapted["accepted"])
-        from specserve.drafter.seen import training_digests
-
-        left_out = training_digests(
-            adapting.captured,
-            adapting.arm,
-            time.time(),
-            adapting.held_out_share,
-            adapting.validation_share,
-        )
-        if len(left_out) > MAX_LEFT_OUT_PROMPTS:
-            print(
-                f"{len(left_out)} prompts trained on, more than a config holds: the A/B leaves "
-                f"out {MAX_LEFT_OUT_PROMPTS} of them"
-            )
-            left_out = frozenset(sorted(left_out)[:MAX_LEFT_OUT_PROMPTS])
-        print(f"{len(left_out)} prompts trained on: their requests are left out of the A/B")
-        config = dataclasses.replace(config, left_out_prompts=left_out)
-    experiment = loop.Experiment(Prometheus(args.prometheus), config)
-    record.name_challenger(candidate.resolve().name)  # the arm's name (loop.with_challenger)
-
-    def _terminated(signum, frame):  # noqa: ARG001
-        raise KeyboardInterrupt  # the loop removes its challenger on the way out
-
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        report = loop.Loop(config, store, experiment).run(candidate.resolve())
-    except loop.LoopError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2, loop.ABORTED
-    except KeyboardInterrupt:
-        print(
-            "loop stopped before a verdict (the lines above say what became of its challenger)",
-            file=sys.stderr,
-        )
-        return 130, loop.ABORTED
-    except Exception as exc:
-        print(f"error: the loop stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2, loop.ABORTED
-    if report["steps"]:
-        report["seen_in_training"] = traffic_seen(args, adapting if adapted else None, report)
-    if args.json:
-        loop.write_report(report, args.json)
-    shown = ("outcome", "reason", "steps", "seen_in_training")
-    print(yaml.safe_dump({k: report[k] for k in shown if k in report}, sort_keys=False))
-    before = record.read() or {}
-    if report["outcome"] == loop.PROMOTED:
-        print(
-            f"undo: `specserve loop --undo` (the same store and --work-dir) returns to revision "
-            f"{before.get('revision_before')}, from before the loop"
-        )
-    return (0 if report["outcome"] == loop.PROMOTED else 3), report["outcome"]
-
-
-def _ended_before_ab(args, code: int, outcome: str, reason: str) -> tuple[int, str]:  # noqa: ANN001
-    """A loop that ended before any revision: its `--json` report says so, as every outcome's
-    does."""
-    if args.json:
-        from specserve import loop
-
-        report = {"outcome": outcome, "reason": reason, "steps": [], "rows": []}
-        loop.write_report(report, args.json)
-    return code, outcome
-
-
-def traffic_seen(args, adapting, report: dict) -> dict:  # noqa: ANN001
-    """How much of the A/B's traffic the candidate was trained on (drafter/seen.py); unknown
-    for a `--candidate` this loop did not adapt."""
-    if adapting is None:
-        return {"unknown": "the candidate was not adapted by this loop: its training is not known"}
-    from specserve.drafter.seen import ab_traffic_seen
-
-    return ab_traffic_seen(
-        adapting.captured,
-        adapting.arm,
-        args.incumbent,
-        since=report["steps"][0]["at"],
-        held_out_share=adapting.held_out_share,
-        validation_share=adapting.validation_share,
-    )
-
-
-def adapt_failure(exc: BaseException) -> str:
-    """One line for why adapt did not produce a candidate: its own message, or what stopped its
-    Ray run, with what to change when the node ran out of memory."""
-    if isinstance(exc, SystemExit):
-        return str(exc.code)
-    text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if any(sign in text for sign in ("OutOfMemoryError", "low on memory", "memory pressure")):
-        return (
-            "a worker was killed for memory (the node was past Ray's memory threshold): fewer "
-            "--workers, a lower --replay-share or a smaller capture sample"
-        )
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def _loop_abort(args: argparse.Namespace, record) -> int:  # noqa: ANN001
-    """Stop the loop recorded in the work directory (it takes its challenger out), or, if its
-    process died, take its challenger out here."""
-    from specserve import loop
-
-    running = record.read()
-    if running is None:
-        print(f"no loop runs on {record.work_dir}")
-        return 0
-    if record.alive(running):
-        if running["host"] != socket.gethostname():
-            print(
-                f"error: the loop runs on {running['host']} (pid {running['pid']}): abort it there",
-                file=sys.stderr,
-            )
-            return 2
-        os.kill(int(running["pid"]), signal.SIGTERM)
-        deadline = time.monotonic() + 120
-        while record.read() is not None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if record.read() is not None:
-            print(f"error: pid {running['pid']} did not stop in 120 s", file=sys.stderr)
-            return 1
-        print(f"stopped the loop (pid {running['pid']}); it took its challenger out")
-        return 0
-    revision = loop.remove_left_behind(running, _store(args, check="the loop's abort"))
-    record.finish(loop.ABORTED)
-    if revision is None:
-        print(f"the loop (pid {running['pid']}) had stopped; nothing of it serves")
-    return 0
-
-
-def _loop_undo(args: argparse.Namespace, record) -> int:  # noqa: ANN001
-    """Return the live config to the revision from before the last loop, in one rollback."""
-    last = record.read_last()
-    if last is None or not last.get("revision_before"):
-        print(f"error: no finished loop recorded in {record.work_dir}", file=sys.stderr)
-        return 2
-    args.config_command, args.to, args.keep = "rollback", last["revision_before"], None
-    print(f"the loop of {last['incumbent']} ended: {last.get('outcome')}; rolling back")
-    return _config_command(args)
-
-
 def _tune(args: argparse.Namespace) -> int:
     """`specserve tune` against the local config file (`--local`) or a release."""
     from specserve import tune
@@ -708,7 +438,7 @@ def _tune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return tune.run(args, _store(args, check="the tuned revision"))
+    return tune.run(args, open_store(args, check="the tuned revision"))
 
 
 def _drafter(args: argparse.Namespace) -> int:

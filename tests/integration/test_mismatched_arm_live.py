@@ -487,7 +487,7 @@ def test_the_loop_adapts_a_drafter_on_captured_traffic_and_ends_its_ab_in_one_re
             thread.join(timeout=120)
         assert report.exists(), run.stderr[-2000:]  # the loop reached an outcome
         found = json.loads(report.read_text())
-        # 0 for a promotion, 3 for any other outcome the loop reached (cli.py).
+        # 0 for a promotion, 3 for any other outcome the loop reached (loop_commands.py).
         assert run.returncode == (0 if found["outcome"] == loop.PROMOTED else 3), run.stderr[-2000:]
         # How much of the A/B's traffic was trained on is read from the incumbent's capture
         # during it: off here, so not known, and said so (measured: tests/unit/test_seen.py).

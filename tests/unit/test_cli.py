@@ -1,5 +1,8 @@
+from pathlib import Path
+
 import pytest
 
+import specserve
 from specserve.cli import main
 from specserve.config.settings import get_settings
 
@@ -225,3 +228,39 @@ def test_adapt_options_left_out_keep_the_library_defaults_and_given_ones_win(tmp
         max_forgetting=0.1,
         train=replace(library.train, lr=5e-4, updates=8),
     )
+
+
+SHIPPED = str(Path(specserve.__file__).parent / "drafters" / "eagle3.1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["drafter", "eval", "x=/nonexistent"], "/nonexistent: no exported drafter there"),
+        (["drafter", "eval", SHIPPED], "NAME=DIR expected"),
+        (["drafter", "diagnose", "/nonexistent"], "NAME=DIR expected"),
+        (["drafter", "diagnose", f"={SHIPPED}"], "NAME=DIR expected"),
+    ],
+)
+def test_a_drafter_that_is_not_there_is_refused_before_anything_loads(argv, said, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_loop_candidate_that_is_not_there_is_refused_and_the_live_config_kept(tmp_path, capsys):
+    live = tmp_path / "config.yaml"
+    live.write_text(A)
+    argv = ["loop", "--local", str(live), "--incumbent", "b", "--prometheus", "http://x:9"]
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--work-dir", str(tmp_path / "work"), "--candidate", str(tmp_path / "no")])
+    assert refused.value.code == 2
+    assert "no exported drafter there" in capsys.readouterr().err
+    assert live.read_text() == A and not (tmp_path / "work").exists()
+
+
+def test_named_drafters_are_read_as_name_and_directory():
+    from specserve.cli import named_drafter
+
+    assert named_drafter(f"eagle3.1={SHIPPED}") == ("eagle3.1", SHIPPED)

@@ -619,18 +619,22 @@ def _diagnose(args: argparse.Namespace, target: str) -> int:
 
 
 def _config_path(explicit: Path | None) -> Path:
+    """The config a command acts on: `explicit`, else the local platform's (local_store.py)."""
+    from specserve.config.local_store import local_config_path
     from specserve.config.settings import get_settings
 
-    return explicit or get_settings().config
+    return explicit or local_config_path(get_settings())
 
 
 def _serve(config: Path | None) -> int:
-    if config is not None:
-        os.environ["SPECSERVE_CONFIG"] = str(config)
-    from specserve.config.settings import get_settings
+    from specserve.config.settings import DEFAULT_CONFIG_PATH, get_settings
     from specserve.deploy import DeployError, Platform
 
+    # Every process of the platform (the router's replicas too) reads the config from here.
+    os.environ["SPECSERVE_CONFIG"] = str(_config_path(config))
+    get_settings.cache_clear()
     settings = get_settings()
+    copied = config is None and settings.config.resolve() != DEFAULT_CONFIG_PATH.resolve()
     started = time.monotonic()
     try:
         platform = Platform(settings)
@@ -669,7 +673,13 @@ def _serve(config: Path | None) -> int:
             f"  API:     http://{settings.host}:{settings.port}/v1\n"
             f"  metrics: http://{settings.host}:{settings.metrics_port}/metrics\n"
             f"  config:  {platform.config_path} (revision {loaded.revision})\n"
-            f"  model:   {loaded.config.model.name}\n"
+            + (
+                "           (a copy of the packaged default: `specserve config apply --local` "
+                "changes it; delete it to start again from the default)\n"
+                if copied
+                else ""
+            )
+            + f"  model:   {loaded.config.model.name}\n"
             f"  keys:    {settings.api_keys_file or 'none: no API key needed'}\n"
             + "".join(f"  arm {a.name}: weight {a.weight:g}\n" for a in loaded.config.arms)
             + "Ctrl-C stops everything.",

@@ -119,3 +119,39 @@ def test_a_check_refuses_a_config_before_anything_is_written(tmp_path):
     with pytest.raises(StoreError, match="vLLM would not"):
         LocalStore(live, check=refuse).apply(second, parse_config(second), now=T0)
     assert live.read_text() == first and not (tmp_path / "config.yaml.history").exists()
+
+
+def test_without_a_configured_file_the_packaged_default_is_copied_once_and_never_written(
+    tmp_path, monkeypatch, capsys
+):
+    """The README's way: `specserve serve` with nothing configured, then `config apply --local`:
+    the revision goes to the cache dir's copy, the installed package stays as shipped."""
+    from specserve import cli as cli_module
+    from specserve.config.local_store import local_config_path
+    from specserve.config.settings import DEFAULT_CONFIG_PATH, Settings, get_settings
+
+    shipped = DEFAULT_CONFIG_PATH.read_bytes()
+    cache = tmp_path / "cache"
+    copy = local_config_path(Settings(config=DEFAULT_CONFIG_PATH, cache_dir=cache))
+    assert copy == cache / "config.yaml" and copy.read_bytes() == shipped
+    configured = tmp_path / "mine.yaml"
+    assert local_config_path(Settings(config=configured, cache_dir=cache)) == configured
+
+    monkeypatch.delenv("SPECSERVE_CONFIG", raising=False)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(cli_module, "check_engine_settings", lambda *a, **k: None)
+    get_settings.cache_clear()
+    try:
+        _, second, _ = texts()
+        new = tmp_path / "new.yaml"
+        new.write_text(second)
+        assert cli(["config", "apply", str(new), "--local"]) == 0
+        assert f"{copy}:" in capsys.readouterr().out
+        assert copy.read_text() == second  # the copy is kept, with what was applied
+        assert local_config_path(get_settings()).read_text() == second
+        assert cli(["config", "rollback", "--local"]) == 0
+        assert copy.read_bytes() == shipped
+    finally:
+        get_settings.cache_clear()
+    assert DEFAULT_CONFIG_PATH.read_bytes() == shipped
+    assert not DEFAULT_CONFIG_PATH.with_name(DEFAULT_CONFIG_PATH.name + ".history").exists()

@@ -5,18 +5,40 @@ never half, and `specserve serve` applies the new revision within `config_poll_s
 engine changed are redeployed, as on Kubernetes). Every revision applied is recorded under
 `<file>.history/<revision>.yaml` (its bytes), the file's modification time being when it was
 last applied.
+
+Without `$SPECSERVE_CONFIG` a local platform serves `<cache_dir>/config.yaml`, a copy of the
+packaged default made on first use (`local_config_path`): a revision applied locally changes
+that copy, never the installed package.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from specserve.config.changes import ArmChanges, arm_changes
 from specserve.config.schema import RouterConfig, revision_of
+from specserve.config.settings import DEFAULT_CONFIG_PATH, Settings
 from specserve.config.store import ConfigStore, Live, Outcome, Record
+
+# Where a local platform's config lives when none is configured, under the cache dir.
+LOCAL_COPY_NAME = "config.yaml"
+
+
+def local_config_path(settings: Settings) -> Path:
+    """The file a local `specserve serve` runs from and `--local` changes: the configured one,
+    or, where that is the packaged default, its copy in the cache dir (made if missing, then
+    kept: it holds the revisions applied since)."""
+    if settings.config.resolve() != DEFAULT_CONFIG_PATH.resolve():
+        return settings.config
+    copy = settings.cache_dir / LOCAL_COPY_NAME
+    if not copy.exists():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(DEFAULT_CONFIG_PATH, copy)
+    return copy
 
 
 class LocalStore(ConfigStore):

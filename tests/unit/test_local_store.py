@@ -136,6 +136,10 @@ def test_without_a_configured_file_the_packaged_default_is_copied_once_and_never
     assert copy == cache / "config.yaml" and copy.read_bytes() == shipped
     configured = tmp_path / "mine.yaml"
     assert local_config_path(Settings(config=configured, cache_dir=cache)) == configured
+    # A cache dir that cannot be written (a container's, read-only): the default, as it is.
+    (tmp_path / "a-file").write_text("")
+    unwritable = Settings(config=DEFAULT_CONFIG_PATH, cache_dir=tmp_path / "a-file" / "cache")
+    assert local_config_path(unwritable) == DEFAULT_CONFIG_PATH
 
     monkeypatch.delenv("SPECSERVE_CONFIG", raising=False)
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(cache))

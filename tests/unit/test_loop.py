@@ -448,8 +448,11 @@ def test_a_second_loop_started_on_the_directory_is_refused_with_how_to_stop_the_
     cli, live = cli_store
     work = tmp_path / "work"
     loop.RunRecord(work).claim("eagle3.1", revision_of(live.read_bytes()))  # this process's
+    candidate = tmp_path / CANDIDATE.name  # an export: --candidate is checked to be one
+    candidate.mkdir()
+    (candidate / "config.json").write_text("{}")
     command = ["loop", "--incumbent", "eagle3.1", "--prometheus", "http://127.0.0.1:9"]
-    command += ["--candidate", str(CANDIDATE), "--local", str(live), "--work-dir", str(work)]
+    command += ["--candidate", str(candidate), "--local", str(live), "--work-dir", str(work)]
     assert cli.main(command) == 2
     assert "--abort" in capsys.readouterr().err
     assert live.read_text() == DEFAULT.read_text()  # nothing deployed

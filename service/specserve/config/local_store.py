@@ -31,13 +31,17 @@ LOCAL_COPY_NAME = "config.yaml"
 def local_config_path(settings: Settings) -> Path:
     """The file a local `specserve serve` runs from and `--local` changes: the configured one,
     or, where that is the packaged default, its copy in the cache dir (made if missing, then
-    kept: it holds the revisions applied since)."""
+    kept: it holds the revisions applied since). Where the cache dir cannot be written (an
+    image's, read-only), the packaged default itself, served as it is."""
     if settings.config.resolve() != DEFAULT_CONFIG_PATH.resolve():
         return settings.config
     copy = settings.cache_dir / LOCAL_COPY_NAME
     if not copy.exists():
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(DEFAULT_CONFIG_PATH, copy)
+        try:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(DEFAULT_CONFIG_PATH, copy)
+        except OSError:
+            return DEFAULT_CONFIG_PATH
     return copy
 
 

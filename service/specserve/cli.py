@@ -333,8 +333,6 @@ def main(argv: list[str] | None = None) -> int:
             path = _config_path(args.config)
             print(prepare_model(load_config(path).config.model.source, force=args.force))
             return 0
-        # Each command imports what it needs: `drain-node`, a pod's preStop, starts on a busy
-        # node and should not import the benchmarks.
         if args.command == "bench":
             from specserve.bench import serving
 

@@ -624,15 +624,24 @@ def _config_path(explicit: Path | None) -> Path:
     return explicit or local_config_path(get_settings())
 
 
+def serving_config(explicit: Path | None) -> tuple[Path, bool]:
+    """The file `specserve serve` runs from, and whether it is the cache dir's copy of the
+    packaged default (rather than the file given or configured)."""
+    from specserve.config.settings import get_settings
+
+    path = _config_path(explicit)
+    return path, explicit is None and path != get_settings().config
+
+
 def _serve(config: Path | None) -> int:
-    from specserve.config.settings import DEFAULT_CONFIG_PATH, get_settings
+    from specserve.config.settings import get_settings
     from specserve.deploy import DeployError, Platform
 
+    path, copied = serving_config(config)
     # Every process of the platform (the router's replicas too) reads the config from here.
-    os.environ["SPECSERVE_CONFIG"] = str(_config_path(config))
+    os.environ["SPECSERVE_CONFIG"] = str(path)
     get_settings.cache_clear()
     settings = get_settings()
-    copied = config is None and settings.config.resolve() != DEFAULT_CONFIG_PATH.resolve()
     started = time.monotonic()
     try:
         platform = Platform(settings)

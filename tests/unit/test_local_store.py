@@ -159,3 +159,25 @@ def test_without_a_configured_file_the_packaged_default_is_copied_once_and_never
         get_settings.cache_clear()
     assert DEFAULT_CONFIG_PATH.read_bytes() == shipped
     assert not DEFAULT_CONFIG_PATH.with_name(DEFAULT_CONFIG_PATH.name + ".history").exists()
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_serve_says_copy_only_when_it_serves_the_cache_dirs_copy(tmp_path, monkeypatch, configured):
+    """`specserve serve`'s banner notes the copy only where nothing was configured or given."""
+    from specserve.cli import serving_config
+    from specserve.config.settings import get_settings
+
+    cache, mine = tmp_path / "cache", tmp_path / "mine.yaml"
+    mine.write_text(render_config())
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(cache))
+    if configured:
+        monkeypatch.setenv("SPECSERVE_CONFIG", str(mine))
+    else:
+        monkeypatch.delenv("SPECSERVE_CONFIG", raising=False)
+    get_settings.cache_clear()
+    try:
+        expected = (mine, False) if configured else (cache / "config.yaml", True)
+        assert serving_config(None) == expected
+        assert serving_config(mine) == (mine, False)
+    finally:
+        get_settings.cache_clear()

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve import cli
+from specserve import cli, drafter_commands
 from specserve.config.schema import MAX_LEFT_OUT_PROMPTS, parse_config, revision_of
 from specserve.config.store import ConfigStore
 
@@ -24,7 +24,7 @@ def add_arguments(loop_p: argparse.ArgumentParser) -> None:
         "--prometheus", help="a Prometheus scraping specserve (required for a loop)"
     )
     loop_p.add_argument(
-        "--candidate", type=cli.drafter_dir, help="skip adapt: this exported drafter"
+        "--candidate", type=drafter_commands.drafter_dir, help="skip adapt: this exported drafter"
     )
     loop_p.add_argument(
         "--share",
@@ -134,11 +134,11 @@ def _run_loop(args, store: ConfigStore, record) -> tuple[int, str]:  # noqa: ANN
             print(f"error: no EAGLE arm {args.incumbent!r} in the live config", file=sys.stderr)
             return 2, loop.ABORTED
         base = args.base or incumbent.speculative.model
-        adapting = cli.adapt_config(args, base, prepare_model(live.model.source))
+        adapting = drafter_commands.adapt_config(args, base, prepare_model(live.model.source))
         if args.k is None:  # the gate scores at the k the incumbent serves at
-            adapting = cli.serving_k(adapting, incumbent)
+            adapting = drafter_commands.serving_k(adapting, incumbent)
         # ... and with the prompt lookup it serves with, which the winner will serve with too.
-        adapting = cli.serving_lookup(adapting, incumbent)
+        adapting = drafter_commands.serving_lookup(adapting, incumbent)
         lookup = adapting.prompt_lookup_first
         print(
             f"scoring at num_speculative_tokens {adapting.k} ({adapting.k_source})"

@@ -204,8 +204,9 @@ def test_the_metrics_port_taken_on_any_address_is_refused(platform_config, held_
 def test_adapt_options_left_out_keep_the_library_defaults_and_given_ones_win(tmp_path):
     from dataclasses import replace
 
-    from specserve.cli import adapt_config, build_parser
+    from specserve.cli import build_parser
     from specserve.drafter.adapt import AdaptConfig
+    from specserve.drafter_commands import adapt_config
 
     def config(*options):
         args = build_parser().parse_args(
@@ -261,6 +262,6 @@ def test_a_loop_candidate_that_is_not_there_is_refused_and_the_live_config_kept(
 
 
 def test_named_drafters_are_read_as_name_and_directory():
-    from specserve.cli import named_drafter
+    from specserve.drafter_commands import named_drafter
 
     assert named_drafter(f"eagle3.1={SHIPPED}") == ("eagle3.1", SHIPPED)

@@ -311,8 +311,8 @@ def test_an_arm_whose_best_k_is_its_fixed_k_everywhere_keeps_its_config(tmp_path
 
 
 def test_the_gate_scores_at_the_highest_k_the_incumbent_serves_at(tmp_path):
-    from specserve.cli import serving_k
     from specserve.drafter.adapt import AdaptConfig
+    from specserve.drafter_commands import serving_k
 
     assert k_schedule.highest_k(3, None) == 3
     assert k_schedule.highest_k(5, [(1, 4, 4), (5, 16, 2), (17, 256, 0)]) == 4
@@ -337,9 +337,9 @@ def test_the_gate_scores_at_the_highest_k_the_incumbent_serves_at(tmp_path):
 
 
 def test_the_gate_scores_with_the_prompt_lookup_the_incumbent_serves_with(tmp_path):
-    from specserve.cli import serving_lookup
     from specserve.drafter.adapt import AdaptConfig
     from specserve.drafter.evaluate import _check_lookup_in_force, scoring_env
+    from specserve.drafter_commands import serving_lookup
 
     base = AdaptConfig(
         base="b", captured=tmp_path, work_dir=tmp_path, out_dir=tmp_path, target_dir="t"

@@ -14,6 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
+import yaml
 
 from specserve import headers
 from tests.conftest import MODEL, free_port, long_stream, render_config
@@ -103,12 +104,14 @@ def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITH
 # 8 s once on two busy cores, where 8-s streams ended 1 ms before the router answered that it
 # was draining) and finish well within DRAIN_S. Machines differ by 10x and more (three at once
 # on two cores in float32 made 4-7 tokens/s each on machine B; CI's machine ran 48 tokens in
-# under 1.5 s), so the length comes from a timed stream on the machine at hand: about
-# IN_FLIGHT_S of it alone, which three at once stretch to several times that.
-IN_FLIGHT_S = 12
-CALIBRATION_TOKENS = 32
-# Within the session config's max_model_len (1024) beside the prompt.
-IN_FLIGHT_TOKENS = range(48, 900)
+# under 1.5 s), so the length comes from streams timed on the machine at hand, as many at once
+# as the test sends and from their first token (a rate taken from one stream alone, with its
+# prefill, once gave streams that ended before a slow drain began): about IN_FLIGHT_S of them
+# by that rate, which their growing context stretches (24 s by it ran 42 s on machine C).
+IN_FLIGHT_S = 16
+CALIBRATION_TOKENS = 48
+# Up to the session config's limit on max_tokens (a longer request is refused with a 400).
+IN_FLIGHT_TOKENS = range(48, yaml.safe_load(render_config())["limits"]["max_tokens"] + 1)
 IN_FLIGHT_STREAMS = 3
 
 
@@ -121,27 +124,42 @@ def say_hi(port: int, timeout_s: float) -> httpx.Response:
 
 
 def in_flight_tokens(port: int) -> int:
-    """How many tokens one stream makes in about IN_FLIGHT_S here, from a timed stream."""
-    started = time.monotonic()
-    events, _ = stream_to_the_end(port, CALIBRATION_TOKENS)
-    assert events[-1] == "data: [DONE]", events[-3:]
-    rate = CALIBRATION_TOKENS / (time.monotonic() - started)
-    return min(max(int(rate * IN_FLIGHT_S), IN_FLIGHT_TOKENS.start), IN_FLIGHT_TOKENS.stop)
+    """How many tokens each of IN_FLIGHT_STREAMS streams at once makes in about IN_FLIGHT_S
+    here, from the slowest of as many timed streams at once."""
+    rates: list[float] = []
+
+    def timed() -> None:
+        events, first, ended = stream_to_the_end(port, CALIBRATION_TOKENS)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        rates.append(CALIBRATION_TOKENS / max(ended - first, 1e-3))
+
+    streams = [threading.Thread(target=timed) for _ in range(IN_FLIGHT_STREAMS)]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join(120)
+    assert len(rates) == IN_FLIGHT_STREAMS, "a calibration stream failed (see above)"
+    tokens = int(min(rates) * IN_FLIGHT_S)
+    return min(max(tokens, IN_FLIGHT_TOKENS.start), IN_FLIGHT_TOKENS.stop - 1)
 
 
 def stream_to_the_end(
     port: int, tokens: int, started: threading.Event | None = None
-) -> tuple[list[str], float]:
-    """The stream's events and when its last one came; `started` is set at its first."""
+) -> tuple[list[str], float, float]:
+    """The stream's events and when its first and last came; `started` is set at its first."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    first = 0.0
     with httpx.stream("POST", url, json=long_stream(tokens), timeout=120) as response:
+        assert response.status_code == 200, response.read()
         events = []
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line)
-                if started is not None:
-                    started.set()
-    return events, time.monotonic()
+                if not first:
+                    first = time.monotonic()
+                    if started is not None:
+                        started.set()
+    return events, first, time.monotonic()
 
 
 # A whole platform's start (up to 600 s, wait_for_log) and its stop.
@@ -161,7 +179,7 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
         print(f"up after {up_after:.0f} s, first answer after {time.monotonic() - started:.0f} s")
         # Streams in flight when Ctrl-C comes.
         tokens = in_flight_tokens(port)
-        results: list[tuple[list[str], float]] = []
+        results: list[tuple[list[str], float, float]] = []
         flowing = [threading.Event() for _ in range(IN_FLIGHT_STREAMS)]
         streams = [
             threading.Thread(
@@ -195,13 +213,20 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
     # In flight: finished in full. New: refused with 503 while draining.
     drain_lines = [line for line in (tmp_path / "serve.log").open() if "drain" in line]
     assert len(results) == IN_FLIGHT_STREAMS, f"streams cut; the drain said: {drain_lines}"
-    for events, _ in results:
+    for events, _, _ in results:
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
-    assert max(ended for _, ended in results) > draining_at, "no stream outlasted the drain's start"
+    flowing_at = max(first for _, first, _ in results)
+    assert max(ended for *_, ended in results) > draining_at, (
+        f"no stream outlasted the drain's start: {tokens}-token streams flowing at 0 s, "
+        f"the router draining at {draining_at - flowing_at:.1f} s, the streams ended at "
+        + ", ".join(f"{ended - flowing_at:.1f}" for *_, ended in results)
+        + " s"
+    )
     assert refused.status_code == 503 and refused.headers[headers.RETRY_AFTER] == "1", refused.text
     print(
         f"stopped {stops[0]:.1f} s after Ctrl-C, {IN_FLIGHT_STREAMS} in-flight streams of "
-        f"{tokens} tokens in full"
+        f"{tokens} tokens in full; the router drained from {draining_at - flowing_at:.1f} s "
+        f"after they flowed, the last ended at {max(e for *_, e in results) - flowing_at:.1f} s"
     )
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

@@ -110,8 +110,9 @@ def stop_and_check(proc, sig: int, expected_rc: int, within_s: float = STOP_WITH
 # by that rate, which their growing context stretches (24 s by it ran 42 s on machine C).
 IN_FLIGHT_S = 16
 CALIBRATION_TOKENS = 48
-# Up to the session config's limit on max_tokens (a longer request is refused with a 400).
-IN_FLIGHT_TOKENS = range(48, yaml.safe_load(render_config())["limits"]["max_tokens"] + 1)
+IN_FLIGHT_MIN_TOKENS = 48
+# The session config's limit on max_tokens: a longer request is refused with a 400.
+IN_FLIGHT_MAX_TOKENS = yaml.safe_load(render_config())["limits"]["max_tokens"]
 IN_FLIGHT_STREAMS = 3
 
 
@@ -140,7 +141,7 @@ def in_flight_tokens(port: int) -> int:
         stream.join(120)
     assert len(rates) == IN_FLIGHT_STREAMS, "a calibration stream failed (see above)"
     tokens = int(min(rates) * IN_FLIGHT_S)
-    return min(max(tokens, IN_FLIGHT_TOKENS.start), IN_FLIGHT_TOKENS.stop - 1)
+    return min(max(tokens, IN_FLIGHT_MIN_TOKENS), IN_FLIGHT_MAX_TOKENS)
 
 
 def stream_to_the_end(
@@ -216,7 +217,8 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
     for events, _, _ in results:
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     flowing_at = max(first for _, first, _ in results)
-    assert max(ended for *_, ended in results) > draining_at, (
+    last_ended = max(ended for *_, ended in results)
+    assert last_ended > draining_at, (
         f"no stream outlasted the drain's start: {tokens}-token streams flowing at 0 s, "
         f"the router draining at {draining_at - flowing_at:.1f} s, the streams ended at "
         + ", ".join(f"{ended - flowing_at:.1f}" for *_, ended in results)
@@ -226,7 +228,7 @@ def test_serve_prints_banner_answers_and_ctrl_c_drains_in_flight_streams(tmp_pat
     print(
         f"stopped {stops[0]:.1f} s after Ctrl-C, {IN_FLIGHT_STREAMS} in-flight streams of "
         f"{tokens} tokens in full; the router drained from {draining_at - flowing_at:.1f} s "
-        f"after they flowed, the last ended at {max(e for *_, e in results) - flowing_at:.1f} s"
+        f"after they flowed, the last ended at {last_ended - flowing_at:.1f} s"
     )
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

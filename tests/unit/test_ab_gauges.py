@@ -78,12 +78,12 @@ def test_gauges_missing_from_a_few_scrapes_still_give_the_model_revision_weights
         revision, start = prometheus.revision_start(MODEL, now)
         weights = {arm: t.weight for arm, t in prometheus.totals(MODEL, first, now).items()}
         drained = prometheus.drained("c", now), prometheus.drained("a", now)
-        # Past the lookback, what was last exported has aged out.
+        # Past the lookback, what was last exported has aged out: asked about an instant
+        # after it (Prometheus evaluates at any instant), with no sample since the gap began.
         later = now + GAUGE_LOOKBACK_S + 5
-        time.sleep(later - time.time())
         with pytest.raises(PrometheusError, match=f"no {EXPORT_PREFIX}{CONFIG_INFO} series"):
-            prometheus.model()
-        aged = prometheus.totals(MODEL, first, time.time())
+            prometheus.model(at=later)
+        aged = prometheus.totals(MODEL, first, later)
 
     assert model == MODEL
     # The newest revision, not the one whose value happens to be larger: both were 1.

@@ -11,10 +11,16 @@ CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
+# OpenAI's error type for each status a refusal here carries, whoever refused: the router, an
+# arm's front or the engine.
+OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
 def assert_openai_error(response, status, *, param=None, contains=""):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == OPENAI_TYPES[status], error
     assert contains.lower() in error["message"].lower()
     if param is not None:
         assert error["param"] == param
@@ -40,6 +46,8 @@ def assert_openai_error(response, status, *, param=None, contains=""):
             "",
         ),
         ({"model": MODEL, "messages": MSG, "stream": "maybe"}, 400, "stream", ""),
+        # A list, one of `stop`'s two types, over its limit: told the limit.
+        ({"model": MODEL, "messages": MSG, "stop": list("abcde")}, 400, "stop", "at most 4"),
         # Found by the schema fuzzer (test_fuzz.py): each was a 500.
         ({"model": MODEL, "messages": 1.5}, 400, "messages", "array"),
         ({"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages.0.role", "role"),

@@ -267,7 +267,9 @@ async def respond(
             # Its code and type, not its text: an engine's message may quote the prompt.
             logger.error("request %s: engine error %s (%s)", request_id(), status, error.type)
             raise OpenAIError(status, "Internal Server Error", type="server_error")
-        raise OpenAIError(status, error.message, type=error.type, param=error.param)
+        # OpenAI's type for the status, as the router's own refusals carry: vLLM names its
+        # exception class there ("BadRequestError").
+        raise OpenAIError(status, error.message, param=error.param)
 
     if not getattr(body, "stream", False):
         payload = chunk.model_dump(mode="json", exclude_none=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -109,14 +110,30 @@ def error_response(err: OpenAIError) -> JSONResponse:
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
-    """The first problem of a pydantic validation error, named by its field."""
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if _names_a_field(p)]
+    """The first problem of a pydantic validation error, named by its field. A field of several
+    types (`stop`: a string or a list of at most 4) fails once per type: where the value has one
+    of them and breaks its limit, that limit is the problem, not the other types it is not."""
+    errors = exc.errors()
+    first = next(
+        (e for e in errors if not _is_type_mismatch(e) and _field(e) == _field(errors[0])),
+        errors[0],
+    )
+    loc = _field(first)
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return OpenAIError(400, message, param=param)
+
+
+def _field(error: Any) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if _names_a_field(p)]
+
+
+def _is_type_mismatch(error: Any) -> bool:
+    """Whether pydantic found a value of another type (or shape) than the one it tried."""
+    kind = str(error.get("type", ""))
+    return kind.endswith(("_type", "_parsing")) or kind in ("literal_error", "missing")
 
 
 def _names_a_field(part: object) -> bool:

@@ -74,6 +74,9 @@ NO_ARM = "-"
 SELECTED_BY_OVERRIDE = "override"  # the override header named it
 SELECTED_BY_STICKY = "sticky"  # a sticky key hashed onto the weights of running arms
 SELECTED_BY_WEIGHT = "weight"  # random by the weights of running arms
+# Among the only arms that can serve the request: vLLM's speculative decoding refuses some
+# sampling parameters (wire/requests.py `needs_plain_decoding`). Not randomized.
+SELECTED_BY_CAPABILITY = "capability"
 # Authentication results (label values of specserve_api_key_requests_total).
 AUTH_ACCEPTED = "accepted"
 AUTH_MISSING = "missing"  # no key sent: 401
@@ -497,7 +500,7 @@ class RouterMetrics:
         self, arm: str, selected_by: str, fallback_from: str | None, unit_bucket: str
     ) -> None:
         self.arm_selections.inc(1, self._tags(arm, **{SELECTED_BY: selected_by}))
-        if selected_by != SELECTED_BY_OVERRIDE:
+        if selected_by in (SELECTED_BY_WEIGHT, SELECTED_BY_STICKY):
             self.unit_selections.inc(1, self._tags(arm, **{UNIT_BUCKET: unit_bucket}))
         if fallback_from is not None:
             self.routing_fallbacks.inc(1, self._tags(fallback_from))

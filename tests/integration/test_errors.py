@@ -192,3 +192,16 @@ def test_seeded_requests_whose_prefill_is_split_are_served(live):
     assert [a.status_code for a in answers] == [200] * len(bodies), answers[0].text
     again = live.http.post("/v1/completions", json=bodies[0], headers=arm)
     assert again.status_code == 200
+
+
+def test_sampling_that_speculation_refuses_is_served_by_the_arm_that_does_not_speculate(live):
+    """vLLM's speculative decoding refuses logit_bias and min_p: unforced, such requests go to
+    `no-spec` and are served; forced onto `ngram`, its engine's refusal reaches the client."""
+    for sampling in ({"logit_bias": {"50": 5}}, {"min_p": 0.2}):
+        body = {"model": MODEL, "messages": MSG, "max_tokens": 4, **sampling}
+        for _ in range(4):
+            response = live.http.post(CHAT, json=body)
+            assert response.status_code == 200, response.text
+            assert response.headers[headers.ARM] == "no-spec"
+        forced = live.http.post(CHAT, json=body, headers={headers.ARM_OVERRIDE: "ngram"})
+        assert_openai_error(forced, 400, contains="speculative decoding")

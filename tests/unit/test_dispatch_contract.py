@@ -7,10 +7,12 @@ there, against the real engines."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from specserve import headers
+from specserve.router import dispatch as dispatch_module
 from tests.unit.test_dispatch import ADMIN_KEY, MODEL, Client, run
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -89,3 +91,37 @@ def test_the_routers_own_headers_are_neither_taken_from_a_client_nor_shown_to_it
     for name, value in forged.items():
         assert passed.get(name.encode()) != value.encode(), name
     assert headers.USAGE not in found  # the arm's usage header stays inside
+
+
+@pytest.mark.parametrize("sampling", [{"logit_bias": {"50": 5}}, {"min_p": 0.1}])
+def test_sampling_that_speculation_refuses_goes_to_an_arm_without_it(client, sampling):
+    """vLLM's speculative decoding refuses logit_bias and min_p: such a request goes to an arm
+    that does not speculate (`b`, even at weight 0), whatever the weights; others as before."""
+
+    async def main():
+        for _ in range(8):
+            got, found, answer = await client.request(
+                CHAT, {"model": MODEL, "messages": MSG, **sampling}, key=ADMIN_KEY
+            )
+            assert got == 200 and found[headers.ARM] == "b", answer
+        got, found, _ = await client.request(
+            CHAT, {"model": MODEL, "messages": MSG, "min_p": 0, "logit_bias": {}}, key=ADMIN_KEY
+        )
+        assert got == 200 and found[headers.ARM] == "a"  # neither samples differently: as ever
+
+    run(main())
+    assert [r["path"].split("/")[2] for r in client.arms.requests] == ["b"] * 8 + ["a"]
+
+
+def test_sampling_that_speculation_refuses_with_no_such_arm_running_is_a_400_on_the_field(
+    tmp_path, monkeypatch
+):
+    client = Client(tmp_path, monkeypatch)
+    state = replace(dispatch_module.read_serve_state(), routable=frozenset({"a"}))  # b is down
+    monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: state)
+    body = {"model": MODEL, "messages": MSG, "logit_bias": {"50": 5}}
+    got, _, answer = run(client.request(CHAT, body))
+    assert got == 400, answer
+    error = error_of(answer)
+    assert error["param"] == "logit_bias" and "speculative decoding" in error["message"]
+    assert client.arms.requests == []

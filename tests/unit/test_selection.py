@@ -4,6 +4,7 @@ from collections import Counter
 import pytest
 
 from specserve.metrics import (
+    SELECTED_BY_CAPABILITY,
     SELECTED_BY_OVERRIDE,
     SELECTED_BY_STICKY,
     SELECTED_BY_WEIGHT,
@@ -11,6 +12,7 @@ from specserve.metrics import (
 )
 from specserve.router.selection import (
     ArmNotRunningError,
+    NoAbleArmError,
     Selection,
     UnknownArmError,
     choose_arm,
@@ -178,3 +180,33 @@ def test_a_keys_unit_bucket_is_fixed_and_independent_of_its_arm():
     rng = random.Random(3)
     keyless = Counter(unit_bucket(None, rng=rng) for _ in range(3200))
     assert len(keyless) == UNIT_BUCKETS and min(keyless.values()) > 50
+
+
+def test_a_request_only_some_arms_can_serve_goes_to_them_by_their_weights_not_randomized():
+    weights = {"spec": 2, "plain": 1, "plain2": 3}
+    rng = random.Random(3)
+    picks = [choose_arm(weights, able={"plain", "plain2"}, rng=rng) for _ in range(4_000)]
+    assert {p.selected_by for p in picks} == {SELECTED_BY_CAPABILITY}
+    counts = Counter(p.arm for p in picks)
+    assert set(counts) == {"plain", "plain2"}
+    assert abs(counts["plain"] / len(picks) - 0.25) < 0.03
+    # A sticky key keeps its arm among them; an override is still the header's to decide.
+    keyed = {choose_arm(weights, able={"plain", "plain2"}, sticky_key="u1").arm for _ in range(5)}
+    assert len(keyed) == 1
+    forced = choose_arm(weights, able={"plain"}, override="spec")
+    assert forced == Selection("spec", SELECTED_BY_OVERRIDE)
+
+
+def test_able_arms_of_weight_0_or_drained_still_serve_and_none_running_is_an_error():
+    weights = {"spec": 1, "plain": 0, "plain2": 0}
+    rng = random.Random(5)
+    arms = {choose_arm(weights, able={"plain", "plain2"}, rng=rng).arm for _ in range(200)}
+    assert arms == {"plain", "plain2"}  # evenly where every able arm has weight 0
+    drained = choose_arm(weights, able={"plain", "plain2"}, drained={"plain"})
+    assert drained.arm == "plain2"
+    only_drained = choose_arm(weights, able={"plain"}, drained={"plain"})
+    assert only_drained.arm == "plain"  # a drain never leaves the request without an arm
+    with pytest.raises(NoAbleArmError):
+        choose_arm(weights, able={"plain"}, routable={"spec", "plain2"})
+    with pytest.raises(NoAbleArmError):
+        choose_arm(weights, able=set())

@@ -68,6 +68,7 @@ from specserve.metrics import (
     NO_KEY,
     OUTCOME_CANCELLED,
     OUTCOME_SERVER_ERROR,
+    SELECTED_BY_CAPABILITY,
     SELECTED_BY_OVERRIDE,
     RouterMetrics,
 )
@@ -86,6 +87,7 @@ from specserve.router.record import InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import Fate, ReplayedBodies, replay_identity
 from specserve.router.selection import (
     ArmNotRunningError,
+    NoAbleArmError,
     UnknownArmError,
     choose_arm,
     load_salt,
@@ -105,6 +107,7 @@ from specserve.wire.requests import (
     body_too_large,
     body_too_slow,
     check_limits,
+    needs_plain_decoding,
     parse_body,
     prompt_digest,
     salt_for_key,
@@ -716,6 +719,10 @@ class DispatchState:
         sticky_key = request_headers.get(config.routing.session_header.lower())
         if not sticky_key and config.routing.use_user_field and isinstance(data.get("user"), str):
             sticky_key = data["user"]
+        plain_only = needs_plain_decoding(data)
+        able = None
+        if plain_only:
+            able = [arm.name for arm in config.arms if arm.speculative.method == "none"]
         try:
             selection = choose_arm(
                 config.weights,
@@ -724,6 +731,7 @@ class DispatchState:
                 override=request_headers.get(headers.ARM_OVERRIDE),
                 sticky_key=sticky_key,
                 salt=self.sticky_salt,
+                able=able,
             )
         except UnknownArmError as exc:
             raise OpenAIError(
@@ -731,11 +739,15 @@ class DispatchState:
             ) from None
         except ArmNotRunningError as exc:
             raise OpenAIError(503, str(exc), code="arm_not_running") from None
+        except NoAbleArmError as exc:
+            message = f"{plain_only}: speculative decoding does not take it, and {exc}"
+            raise OpenAIError(400, message, param=plain_only) from None
         record.unit_bucket = unit_bucket(sticky_key, self.sticky_salt)
         self.metrics.count_selection(*selection, unit_bucket=record.unit_bucket)
-        if selection.selected_by == SELECTED_BY_OVERRIDE:
+        if selection.selected_by in (SELECTED_BY_OVERRIDE, SELECTED_BY_CAPABILITY):
             # A forced request is not randomized: it neither feeds the guardrail nor the A/B
-            # statistics, so no client can drain an arm or bias a verdict with it.
+            # statistics, so no client can drain an arm or bias a verdict with it; nor does one
+            # sent where it can be served.
             record.guard = None
             record.randomized = False
         return selection.arm

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specserve.metrics import (
+    SELECTED_BY_CAPABILITY,
     SELECTED_BY_OVERRIDE,
     SELECTED_BY_STICKY,
     SELECTED_BY_WEIGHT,
@@ -43,6 +44,11 @@ class UnknownArmError(LookupError):
 class ArmNotRunningError(LookupError):
     """The override header named an arm whose engine is not running, or no arm with weight > 0
     is running at all."""
+
+
+class NoAbleArmError(LookupError):
+    """No running arm can serve the request (every one speculates, and the request asks for
+    sampling that speculative decoding refuses)."""
 
 
 class Selection(NamedTuple):
@@ -111,12 +117,15 @@ def choose_arm(
     sticky_key: str | None = None,
     salt: bytes = b"",
     rng: random.Random | None = None,
+    able: Collection[str] | None = None,
 ) -> Selection:
     """Pick the arm for one request. An override may name any configured arm, even weight 0,
     as long as it takes traffic; the weights and sticky keys only ever pick arms in `routable`
     (readiness.routable: running, or redeploying while the old replicas serve; all arms when
     None), and not drained ones unless every routable arm is drained. In this module and its
-    errors, "running" means routable."""
+    errors, "running" means routable. With `able` (the arms that can serve this request; all
+    when None) an unforced request goes to one of them, by their weights (evenly where all are
+    0), sticky keys kept: a choice made for the request, not randomized."""
     is_running = (lambda arm: True) if routable is None else (lambda arm: arm in routable)
     if override is not None:
         if override not in weights:
@@ -125,6 +134,8 @@ def choose_arm(
             raise ArmNotRunningError(f"arm {override!r} is not running")
         return Selection(override, SELECTED_BY_OVERRIDE)
     live = {arm: weight for arm, weight in weights.items() if is_running(arm)}
+    if able is not None:
+        return _among_able(live, able, drained, sticky_key, salt, rng)
     if not any(weight > 0 for weight in live.values()):
         waiting = sorted(arm for arm, weight in weights.items() if weight > 0)
         raise ArmNotRunningError(f"no arm with weight > 0 is running (waiting for {waiting})")
@@ -141,3 +152,22 @@ def choose_arm(
         return Selection(first, selected_by)
     # For a sticky key this is its best-scoring running arm: the other arms keep their keys.
     return Selection(pick(live), selected_by, fallback_from=first)
+
+
+def _among_able(
+    live: Mapping[str, float],
+    able: Collection[str],
+    drained: Collection[str],
+    sticky_key: str | None,
+    salt: bytes,
+    rng: random.Random | None,
+) -> Selection:
+    candidates = {arm: weight for arm, weight in live.items() if arm in able}
+    if not candidates:
+        raise NoAbleArmError("no running arm can serve it")
+    undrained = {arm: weight for arm, weight in candidates.items() if arm not in drained}
+    candidates = undrained or candidates
+    if not any(weight > 0 for weight in candidates.values()):
+        candidates = dict.fromkeys(candidates, 1.0)
+    arm = sticky_arm(sticky_key, candidates, salt) if sticky_key else random_arm(candidates, rng)
+    return Selection(arm, SELECTED_BY_CAPABILITY)

@@ -258,6 +258,22 @@ def wants_usage(data: dict[str, Any]) -> bool:
     return isinstance(stream_options, dict) and bool(as_bool(stream_options.get("include_usage")))
 
 
+# Sampling that vLLM's speculative decoding refuses (SamplingParams' check against a
+# speculative config): a request asking for it goes to an arm without speculation.
+MIN_P_EPS = 1e-5  # vLLM's own threshold for a min_p that samples
+
+
+def needs_plain_decoding(data: dict[str, Any]) -> str | None:
+    """The field of the request that an arm which speculates cannot serve, if any. A value
+    of the wrong type is the arm's validation's to refuse."""
+    if isinstance(data.get("logit_bias"), dict) and data["logit_bias"]:
+        return "logit_bias"
+    min_p = data.get("min_p")
+    if isinstance(min_p, int | float) and not isinstance(min_p, bool) and min_p > MIN_P_EPS:
+        return "min_p"
+    return None
+
+
 def unknown_model(model: Any, config: RouterConfig) -> OpenAIError:
     return OpenAIError(
         404,

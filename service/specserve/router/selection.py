@@ -1,5 +1,5 @@
 """Arm selection: override > sticky key > random, all by the configured weights of the arms
-that are running.
+that are running; a request only some arms can serve goes to one of them, outside the split.
 
 Sticky keys use weighted rendezvous hashing: each (key, arm) pair gets a pseudo-random score
 `weight / -ln(u)` with `u` uniform in (0, 1) from a hash, and the key goes to the best-scoring arm.

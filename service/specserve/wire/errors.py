@@ -114,10 +114,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     types (`stop`: a string or a list of at most 4) fails once per type: where the value has one
     of them and breaks its limit, that limit is the problem, not the other types it is not."""
     errors = exc.errors()
-    first = next(
-        (e for e in errors if not _is_type_mismatch(e) and _field(e) == _field(errors[0])),
-        errors[0],
-    )
+    field = _field(errors[0])
+    first = next((e for e in errors if not _is_type_mismatch(e) and _field(e) == field), errors[0])
     loc = _field(first)
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")

@@ -30,9 +30,7 @@ import contextlib
 import json
 import logging
 import random
-import re
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -46,7 +44,6 @@ from specserve.capture.store import Bounds, Sampled
 from specserve.config.checks import check_engine_settings
 from specserve.config.schema import (
     ConfigError,
-    LimitsConfig,
     LoadedConfig,
     RouterConfig,
     load_config,
@@ -85,6 +82,16 @@ from specserve.router.guardrail import AcceptanceGuard
 from specserve.router.key_share import KeyShare
 from specserve.router.record import InFlight, RequestRecord, outcome_of_status
 from specserve.router.replays import Fate, ReplayedBodies, replay_identity
+from specserve.router.scopes import (
+    HTTP_METHODS,
+    ClientGone,
+    arm_scope,
+    header_dict,
+    method_not_allowed,
+    read_body,
+    request_id_header,
+    without_key,
+)
 from specserve.router.selection import (
     ArmNotRunningError,
     NoAbleArmError,
@@ -104,8 +111,6 @@ from specserve.wire.errors import (
 from specserve.wire.requests import (
     ENDPOINT_OF_PATH,
     READY_PATH,
-    body_too_large,
-    body_too_slow,
     check_limits,
     needs_plain_decoding,
     parse_body,
@@ -117,21 +122,10 @@ from specserve.wire.resume import ResumePoint, resumable
 
 logger = logging.getLogger(__name__)
 
-_TIMEOUT = headers.REQUEST_TIMEOUT_S.encode()
-_RESUME_FROM = headers.RESUME_FROM.encode()
-_CAPTURE = headers.CAPTURE.encode()
-# Request headers a client may not pass on to an arm: its key, the platform's own (any under
-# the internal prefix, `_passes_to_arm`), and those that steer Ray Serve.
-_NOT_FORARMS = frozenset(
-    name.encode() for name in (headers.AUTHORIZATION, *headers.RAY_SERVE_STEERING)
-)
-_INTERNAL_PREFIX = headers.INTERNAL_PREFIX.encode()
-_REQUEST_ID_SHAPE = re.compile(headers.REQUEST_ID_PATTERN.encode())
 # A body larger than this is parsed in a thread, off the proxy's event loop (~1 ms of CPU).
 PARSE_OFF_LOOP_BYTES = 64 * 1024
 API_PREFIX = "/v1/"
 BODY_REQUEST_ID = "request_id"  # vLLM's own body field: the answer's id when given
-HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "OPTIONS"})  # what any route here answers
 
 
 def middlewares() -> list[Middleware]:
@@ -173,7 +167,7 @@ class Dispatch:
         if scope["method"] not in HTTP_METHODS:
             # Ray Serve's proxy labels its metrics with the method: any other name would be a new
             # series, and no route here takes one.
-            await send_error(send, method_not_allowed(scope["method"]), [_request_id(scope)])
+            await send_error(send, method_not_allowed(scope["method"]), [request_id_header(scope)])
             return
         endpoint = ENDPOINT_OF_PATH.get(path) if scope["method"] == "POST" else None
         if endpoint is not None:
@@ -371,12 +365,12 @@ class DispatchState:
             draining=state.shutting_down,
         )
         status = 200 if found.ready else 503
-        await send_json(send, status, found.body(), [_request_id(scope)])
+        await send_json(send, status, found.body(), [request_id_header(scope)])
 
     def _check_key(self, scope: Scope, admin_for: str | None = None) -> None:
         """401 for a missing or wrong API key; 403 for a public key where `admin_for` (an admin
         power) is asked for."""
-        identity = self.keys.authenticate(_headers(scope).get(headers.AUTHORIZATION))
+        identity = self.keys.authenticate(header_dict(scope).get(headers.AUTHORIZATION))
         if admin_for and identity is not None and not identity.admin:
             raise admin_required(admin_for)
 
@@ -388,16 +382,16 @@ class DispatchState:
                 raise OpenAIError(503, "the router is starting; retry shortly", code="starting")
             self._check_key(scope)
         except OpenAIError as exc:
-            await send_error(send, exc, [_request_id(scope)])
+            await send_error(send, exc, [request_id_header(scope)])
             return
-        await app(_without_key(scope), receive, send)
+        await app(without_key(scope), receive, send)
 
     async def pass_to_arm(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """`/arms/<name>/...` from a client: the arm's own routes, only for arms deployed with
         `expose_http` (debugging, the router-overhead benchmark) and with an admin key; not
         found otherwise, also while the arm states are not known (fail closed)."""
         arm = scope["path"].removeprefix(ARM_ROUTE_PREFIX).split("/", 1)[0]
-        request_id = _request_id(scope)
+        request_id = request_id_header(scope)
         if not await self._deployed() or arm not in self.serve_state.exposed:
             not_found = OpenAIError(404, f"no route {scope['path']}")
             await send_error(send, not_found, [request_id])
@@ -407,7 +401,7 @@ class DispatchState:
         except OpenAIError as exc:
             await send_error(send, exc, [request_id])
             return
-        await app(_without_key(scope), receive, send)
+        await app(without_key(scope), receive, send)
 
     async def serve(
         self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, endpoint: str
@@ -418,13 +412,13 @@ class DispatchState:
         loaded = self.loaded
         if loaded is None or self.metrics is None or self.guard is None:
             unreadable = OpenAIError(503, "the router's config file cannot be read; see its log")
-            await send_error(send, unreadable, [_request_id(scope)])
+            await send_error(send, unreadable, [request_id_header(scope)])
             return
         metrics, config = self.metrics, loaded.config
         # Every answer names the config revision that handled it, and the arm once one is chosen;
         # every request is counted once, by outcome, refused ones included.
         extra = [(headers.CONFIG_REVISION.encode(), loaded.revision.encode())]
-        request_id = _request_id(scope)  # on the request too: the arm logs it under the same
+        request_id = request_id_header(scope)  # on the request too: the arm logs it under the same
         record = RequestRecord(endpoint=endpoint, guard=self.guard, in_flight=self.in_flight)
         exchange: Exchange | None = None
         identity: Identity | None = None
@@ -440,11 +434,11 @@ class DispatchState:
                         headers={headers.RETRY_AFTER: "1"},
                     )
                 # Who is asking, before anything of theirs is read.
-                request_headers = _headers(scope)
+                request_headers = header_dict(scope)
                 identity = self._admit(request_headers, config)
                 if identity is not None:
                     record.key = identity.name
-                raw = await _read_body(request_headers, receive, config.limits)
+                raw = await read_body(request_headers, receive, config.limits)
                 if len(raw) > PARSE_OFF_LOOP_BYTES:
                     data = await asyncio.to_thread(parse_body, raw)
                 else:
@@ -489,7 +483,7 @@ class DispatchState:
             await self._at_arm(
                 exchange,
                 self.arms,
-                _arm_scope(scope, record.arm, timeout_s, capture=capture),
+                arm_scope(scope, record.arm, timeout_s, capture=capture),
                 raw,
                 receive,
             )
@@ -501,7 +495,7 @@ class DispatchState:
                     exchange = replay.exchange
                     await replay.run()
             await exchange.finish()
-        except _ClientGone:
+        except ClientGone:
             record.outcome = OUTCOME_CANCELLED
         except (asyncio.CancelledError, OSError):
             record.outcome = OUTCOME_CANCELLED  # the client went away
@@ -574,7 +568,7 @@ class DispatchState:
             resumes=exchange if point else None,
             show_arm=sent.show_arm,
         )
-        arm_scope = _arm_scope(
+        replay_scope = arm_scope(
             sent.scope,
             record.arm,
             config.limits.request_timeout_s,
@@ -595,7 +589,7 @@ class DispatchState:
         async def run() -> None:
             fate = Fate.UNKNOWN
             try:
-                await self._at_arm(again, self.arms, arm_scope, sent.raw, sent.receive)
+                await self._at_arm(again, self.arms, replay_scope, sent.raw, sent.receive)
                 fate = again.fate()
             finally:
                 ticket.settle(fate)
@@ -773,42 +767,6 @@ class _Replay:
     run: Callable[[], Awaitable[None]]
 
 
-class _ClientGone(Exception):
-    """The client disconnected."""
-
-
-async def _read_body(
-    request_headers: dict[str, str], receive: Receive, limits: LimitsConfig
-) -> bytes:
-    """The whole request body, refused as soon as it is known to pass the size limit (413) or
-    to arrive later than the deadline (408)."""
-    max_body_bytes = limits.max_body_bytes
-    declared = request_headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_body_bytes:
-        raise body_too_large(int(declared), max_body_bytes)
-    chunks, size = [], 0
-    deadline = asyncio.get_running_loop().time() + limits.body_timeout_s
-    while True:
-        try:
-            async with asyncio.timeout_at(deadline):
-                message = await receive()
-        except TimeoutError:
-            raise body_too_slow(limits.body_timeout_s) from None
-        if message["type"] == "http.disconnect":
-            raise _ClientGone  # before it had sent its request
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise body_too_large(f"more than {size - 1}", max_body_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
-
-
 def _capture(
     config: RouterConfig,
     arm: str,
@@ -832,62 +790,3 @@ def _capture(
     bounds = Bounds(settings.max_records, settings.max_age_s, settings.max_bytes)
     key = identity.name if identity is not None else None
     return Sampled(bounds, key, prompt_digest(data, endpoint))
-
-
-def _arm_scope(
-    scope: Scope,
-    arm: str,
-    timeout_s: float,
-    resume: ResumePoint | None = None,
-    *,
-    capture: Sampled | None = None,
-) -> Scope:
-    """The request as the proxy routes it to the arm's application (resumed from `resume`; its
-    token ids kept by the arm within `capture`'s bounds)."""
-    path = ARM_ROUTE_PREFIX + arm + scope["path"]
-    # The time limit is the config's; the client's key and the headers that steer Ray Serve
-    # stay behind.
-    kept = [(name, value) for name, value in scope["headers"] if _passes_to_arm(name)]
-    kept.append((_TIMEOUT, repr(timeout_s).encode()))
-    if resume is not None:
-        kept.append((_RESUME_FROM, resume.header().encode()))
-    if capture is not None:
-        kept.append((_CAPTURE, capture.header().encode()))
-    return {**scope, "path": path, "raw_path": path.encode(), "headers": kept}
-
-
-def _passes_to_arm(name: bytes) -> bool:
-    name = name.lower()
-    if name in _NOT_FORARMS or name.startswith(_INTERNAL_PREFIX):
-        return False
-    normalized = name.decode("latin-1").lower().replace("-", "_")
-    return normalized != headers.RAY_SERVE_MULTIPLEXED_MODEL_ID
-
-
-def _without_key(scope: Scope) -> Scope:
-    """The request without its API key: checked here, it goes no further."""
-    name = headers.AUTHORIZATION.encode()
-    return {**scope, "headers": [h for h in scope["headers"] if h[0].lower() != name]}
-
-
-def _request_id(scope: Scope) -> tuple[bytes, bytes]:
-    """The request's id, as Ray Serve's proxy sets it on what it answers: the client's
-    `x-request-id` if it has the expected shape (it reaches the logs), else a new one, also put
-    on the request so the arm logs it under the same."""
-    name = headers.REQUEST_ID.encode()
-    found = [value for key, value in scope["headers"] if key == name]
-    if len(found) == 1 and _REQUEST_ID_SHAPE.fullmatch(found[0]):
-        return name, found[0]
-    new = str(uuid.uuid4()).encode()
-    scope["headers"] = [*(h for h in scope["headers"] if h[0] != name), (name, new)]
-    return name, new
-
-
-def method_not_allowed(method: str) -> OpenAIError:
-    shown = method if len(method) <= 32 and method.isprintable() else f"{method[:32]!r}..."
-    return OpenAIError(
-        405,
-        f"method {shown} is not allowed; routes here take {', '.join(sorted(HTTP_METHODS))}",
-        code="method_not_allowed",
-        headers={headers.ALLOW: ", ".join(sorted(HTTP_METHODS))},
-    )

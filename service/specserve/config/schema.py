@@ -27,6 +27,7 @@ from pydantic import (
 from specserve import headers, k_schedule
 from specserve.capture.store import DEFAULT_MAX_BYTES
 from specserve.config import policy
+from specserve.config.bounded_yaml import MAX_CONFIG_BYTES, RefusedDocument, load_yaml
 
 # The longest a request may run (limits.request_timeout_s); an arm's replica being stopped waits
 # this long at most for its requests, each of which its own timeout ends sooner.
@@ -56,16 +57,6 @@ HUB_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$"
 COMMIT_PATTERN = r"^[0-9a-f]{40}$"
 # vLLM's engine arguments that `model.revision` sets: weights, code and tokenizer, one commit.
 MODEL_REVISION_ARGS = ("revision", "code_revision", "tokenizer_revision")
-# A config document is at most this large: the ConfigMap that carries it on Kubernetes holds at
-# most 1 MiB, and the router reads the file on every change.
-MAX_CONFIG_BYTES = 1 << 20
-# YAML aliases may share a node (an `&engine` anchor used by every arm) but not multiply it: a
-# document of a few hundred bytes whose nested aliases expand to billions of nodes ("billion
-# laughs") would take the validators, the engine check and the Serve config that long. A real
-# config is a few hundred nodes, expanded.
-MAX_CONFIG_NODES = 100_000
-# Deeper nesting than any config needs (it has 7 levels) would exhaust Python's recursion.
-MAX_CONFIG_DEPTH = 32
 # An arm's settings that Ray Serve applies to its running engine replicas without restarting
 # them, by their Ray Serve deployment option name (serve_config.py passes them as such).
 DEPLOYMENT_OPTIONS = {
@@ -796,67 +787,11 @@ def revision_of(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:12]
 
 
-class _RefusedDocument(Exception):
-    """A YAML document refused for its size, its aliases or its depth."""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that counts every node as if each alias were a copy of its anchor and
-    refuses a document past MAX_CONFIG_NODES such nodes or MAX_CONFIG_DEPTH levels while it is
-    being read: an alias bomb is refused a few levels in, before anything expands it."""
-
-    def __init__(self, stream: bytes | str) -> None:
-        super().__init__(stream)
-        self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
-        self._depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            anchor = self.anchors.get(event.anchor)
-            if anchor is not None and id(anchor) not in self._expanded:
-                raise _RefusedDocument(f"alias *{event.anchor} is inside its own anchor")
-            return super().compose_node(parent, index)
-        self._depth += 1
-        if self._depth > MAX_CONFIG_DEPTH:
-            raise _RefusedDocument(f"nested deeper than {MAX_CONFIG_DEPTH} levels")
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-        children: list[Any] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [part for pair in node.value for part in pair]
-        size = 1 + sum(self._expanded[id(child)] for child in children)
-        if size > MAX_CONFIG_NODES:
-            raise _RefusedDocument(
-                f"its aliases expand to more than {MAX_CONFIG_NODES} nodes (an alias bomb)"
-            )
-        self._expanded[id(node)] = size
-        return node
-
-
-def load_yaml(raw: bytes | str) -> Any:
-    """One YAML document as plain data, like yaml.safe_load, but refusing one larger than
-    MAX_CONFIG_BYTES, nested deeper than MAX_CONFIG_DEPTH or whose aliases expand past
-    MAX_CONFIG_NODES nodes (_RefusedDocument)."""
-    size = len(raw.encode() if isinstance(raw, str) else raw)
-    if size > MAX_CONFIG_BYTES:
-        raise _RefusedDocument(f"{size} bytes, more than {MAX_CONFIG_BYTES}")
-    loader = _BoundedLoader(raw)
-    try:
-        return loader.get_single_data()
-    finally:
-        loader.dispose()
-
-
 def parse_config(raw: bytes | str, *, source: str = "<config>") -> RouterConfig:
     """Parse and validate one YAML document; ConfigError names the file and the bad field."""
     try:
         data = load_yaml(raw)
-    except _RefusedDocument as exc:
+    except RefusedDocument as exc:
         raise ConfigError(f"{source}: refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from specserve import headers
 from specserve.capture.store import Bounds, Sampled
+from specserve.metrics import RouterMetrics
 from specserve.router import dispatch as dispatch_module
+from specserve.router import view
 from specserve.router.arm_states import ServeState
 from specserve.router.dispatch import Dispatch
 from specserve.router.selection import load_salt, sticky_arm
@@ -133,9 +135,9 @@ class Client:
             router_args=args,
             exposed=frozenset(exposed),
         )
-        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: state)
+        monkeypatch.setattr(view, "read_serve_state", lambda previous=None: state)
         # vLLM's argument parser takes ~20 s to import; the engine settings are not under test.
-        monkeypatch.setattr(dispatch_module, "check_engine_settings", lambda *a, **k: None)
+        monkeypatch.setattr(view, "check_engine_settings", lambda *a, **k: None)
         monkeypatch.setattr("specserve.watch.check_engine_settings", lambda *a, **k: None)
         self.arms = FakeArms()
         self.dispatch = Dispatch(self.arms, arms=self.arms)
@@ -433,13 +435,11 @@ def test_a_prompt_the_config_leaves_out_is_served_but_kept_out_of_the_ab_statist
     in_ab: list[bool] = []
     left_out: list[str] = []
     monkeypatch.setattr(
-        dispatch_module.RouterMetrics,
+        RouterMetrics,
         "observe_request",
         lambda self, arm, **figures: in_ab.append(figures["randomized"]),
     )
-    monkeypatch.setattr(
-        dispatch_module.RouterMetrics, "count_left_out", lambda self, arm: left_out.append(arm)
-    )
+    monkeypatch.setattr(RouterMetrics, "count_left_out", lambda self, arm: left_out.append(arm))
 
     def chat(text: str) -> dict:
         return {"model": MODEL, "messages": [{"role": "user", "content": text}]}
@@ -543,8 +543,8 @@ def test_an_arms_own_routes_only_for_exposed_arms_with_an_admin_key(tmp_path, mo
 def test_an_arms_own_routes_are_closed_while_the_arm_states_are_unknown(tmp_path, monkeypatch):
     client = Client(tmp_path, monkeypatch, exposed={"a"})
     # No Serve controller answers: no router application is known.
-    monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: ServeState())
-    monkeypatch.setattr(dispatch_module, "FIRST_READ_WAIT_S", 0.1)
+    monkeypatch.setattr(view, "read_serve_state", lambda previous=None: ServeState())
+    monkeypatch.setattr(view, "FIRST_READ_WAIT_S", 0.1)
 
     async def main():
         status, _, _ = await client.request(path="/arms/a/v1/completions", key=ADMIN_KEY)
@@ -559,7 +559,7 @@ def test_a_node_being_drained_refuses_new_requests_and_says_it_is_not_ready(clie
         assert status == 200
         # `specserve drain-node` marked this proxy's node (the pod's preStop).
         drained = dataclasses.replace(client.dispatch.state.serve_state, node_draining=True)
-        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: drained)
+        monkeypatch.setattr(view, "read_serve_state", lambda previous=None: drained)
         client.dispatch.state.serve_state = drained
         status, found, body = await client.request()
         assert status == 503 and body["error"]["code"] == "shutting_down"
@@ -652,7 +652,7 @@ def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, 
             statuses={"a": "DEPLOYING", "b": "RUNNING"},
             routable=frozenset({"b"}),
         )
-        monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: stopped)
+        monkeypatch.setattr(view, "read_serve_state", lambda previous=None: stopped)
         status, found, _ = await asyncio.wait_for(asking, 5)
         assert status == 200 and found[headers.ARM] == "b"
         assert [r["path"].split("/")[2] for r in client.arms.requests] == ["a", "b"]
@@ -663,7 +663,7 @@ def test_a_request_held_for_an_arm_that_stopped_running_is_taken_back(tmp_path, 
 
 def test_a_controller_read_that_hangs_times_out_and_its_age_shows(tmp_path, monkeypatch):
     client = Client(tmp_path, monkeypatch)
-    first = dispatch_module.read_serve_state(None)
+    first = view.read_serve_state(None)
     calls = []
     release = threading.Event()
 
@@ -673,9 +673,9 @@ def test_a_controller_read_that_hangs_times_out_and_its_age_shows(tmp_path, monk
             release.wait(2)  # the controller does not answer (beyond the test)
         return first
 
-    monkeypatch.setattr(dispatch_module, "read_serve_state", hanging)
-    monkeypatch.setattr(dispatch_module, "READ_TIMEOUT_S", 0.1)
-    monkeypatch.setattr(dispatch_module, "POLL_S", 0.05)
+    monkeypatch.setattr(view, "read_serve_state", hanging)
+    monkeypatch.setattr(view, "READ_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(view, "POLL_S", 0.05)
 
     async def main():
         assert (await client.request())[0] == 200

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from specserve import headers
-from specserve.router import dispatch as dispatch_module
+from specserve.router import view
 from tests.unit.test_dispatch import ADMIN_KEY, MODEL, Client, run
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -117,8 +117,8 @@ def test_sampling_that_speculation_refuses_with_no_such_arm_running_is_a_400_on_
     tmp_path, monkeypatch
 ):
     client = Client(tmp_path, monkeypatch)
-    state = replace(dispatch_module.read_serve_state(), routable=frozenset({"a"}))  # b is down
-    monkeypatch.setattr(dispatch_module, "read_serve_state", lambda previous=None: state)
+    state = replace(view.read_serve_state(), routable=frozenset({"a"}))  # b is down
+    monkeypatch.setattr(view, "read_serve_state", lambda previous=None: state)
     body = {"model": MODEL, "messages": MSG, "logit_bias": {"50": 5}}
     got, _, answer = run(client.request(CHAT, body))
     assert got == 400, answer

@@ -67,7 +67,10 @@ def test_a_prompt_lookup_first_keeps_the_text_and_accepts_more_where_answers_cop
     runs = run_engine_script(tmp_path, SCRIPT)
     drafter, lookup = runs["drafter"], runs["lookup"]
     assert lookup["texts"] == drafter["texts"]  # verification keeps the target's own text
-    # Accepted tokens per draft of 3: 0.72 with the drafter alone, 1.0 with the lookup (machine C).
+    # Accepted tokens per draft of 3, with the drafter alone and with the lookup (machine C): 0.72
+    # and 1.0 with the EAGLE-3.1 shipped on 2026-12-06, 0.82 and 1.02 with the one shipped since
+    # the evening of 2026-12-07, which copies better. Greedy float32 runs repeat exactly, so the
+    # margin is not there for noise: it says the lookup does what the drafter still does not.
     per_draft = {m: runs[m]["accepted"] / runs[m]["drafts"] for m in ("drafter", "lookup")}
-    assert per_draft["lookup"] > 1.25 * per_draft["drafter"], per_draft
+    assert per_draft["lookup"] > 1.1 * per_draft["drafter"], per_draft
     assert "engines draft with 3: it is set when vLLM loads its plugins" in runs["refused"]
